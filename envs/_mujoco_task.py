@@ -1,0 +1,197 @@
+"""Shared machinery for visppo's MuJoCo camera tasks.
+
+A task subclasses :class:`MujocoTask`, names its MJCF file in ``assets/`` and
+implements four small hooks (``_reset_task``, ``_reward``, ``_info`` and
+``_state``). Everything that is the same for every task lives here: loading
+the model from the installed package, stepping the physics, one lazily created
+``mujoco.Renderer`` per image size, and assembling ``"pixels"`` or
+``"pixels_state"`` observations.
+
+Each MJCF file must define two cameras: ``policy`` (the fixed camera the
+policy sees, framing the workspace closely) and ``view`` (a wider third-person
+camera for evaluation videos), and actuators with ``ctrlrange="-1 1"``.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ._gl import ensure_headless_gl
+
+ensure_headless_gl()
+
+import gymnasium as gym  # noqa: E402
+import mujoco  # noqa: E402
+from gymnasium import spaces  # noqa: E402
+
+OBS_MODES = ("pixels", "pixels_state")
+POLICY_CAMERA = "policy"
+VIEW_CAMERA = "view"
+
+
+def load_model(asset: str) -> mujoco.MjModel:
+    """Compile ``assets/<asset>`` from this package.
+
+    Reading through ``importlib.resources`` (rather than a path relative to the
+    repository) keeps this working from a wheel or a zipped install; the MJCF
+    files use only builtin textures so the XML string is self-contained.
+    """
+    xml = resources.files(__package__).joinpath("assets", asset).read_text(encoding="utf-8")
+    return mujoco.MjModel.from_xml_string(xml)
+
+
+def wrap_angle(angle: np.ndarray | float) -> np.ndarray:
+    """Map angles to [-pi, pi) so unlimited hinges give bounded state values."""
+    return (np.asarray(angle) + np.pi) % (2 * np.pi) - np.pi
+
+
+class MujocoTask(gym.Env):
+    """A MuJoCo task observed through the MJCF camera ``policy``.
+
+    Args:
+        image_size: side of the square policy image, in pixels.
+        obs_mode: ``"pixels"`` (observation is the uint8 ``(H, W, 3)`` frame) or
+            ``"pixels_state"`` (``{"pixels": frame, "state": float32 vector}``;
+            see each task's ``_state`` for the vector's layout).
+        render_mode: ``"rgb_array"`` (``render()`` returns the policy's frame)
+            or ``None``.
+        frame_skip: physics steps per env step; ``None`` uses the task's
+            ``DEFAULT_FRAME_SKIP``.
+
+    Episodes never terminate; gymnasium's ``TimeLimit`` (set at registration)
+    truncates them, so every episode has the same length.
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"], "render_fps": 25}
+    ASSET: ClassVar[str]
+    DEFAULT_FRAME_SKIP: ClassVar[int] = 4
+
+    def __init__(
+        self,
+        image_size: int = 84,
+        obs_mode: str = "pixels",
+        render_mode: str | None = "rgb_array",
+        frame_skip: int | None = None,
+    ) -> None:
+        if obs_mode not in OBS_MODES:
+            raise ValueError(f"obs_mode must be one of {OBS_MODES}, got {obs_mode!r}")
+        if render_mode not in (None, *self.metadata["render_modes"]):
+            raise ValueError(f"unsupported render_mode {render_mode!r}")
+        if int(image_size) < 1:
+            raise ValueError(f"image_size must be positive, got {image_size}")
+        self.image_size = int(image_size)
+        self.obs_mode = obs_mode
+        self.render_mode = render_mode
+        self.frame_skip = int(frame_skip or self.DEFAULT_FRAME_SKIP)
+        if self.frame_skip < 1:
+            raise ValueError(f"frame_skip must be >= 1, got {frame_skip}")
+
+        self.model = load_model(self.ASSET)
+        self.data = mujoco.MjData(self.model)
+        for cam in (POLICY_CAMERA, VIEW_CAMERA):
+            if mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_CAMERA, cam) < 0:
+                raise ValueError(f"{self.ASSET} has no camera named {cam!r}")
+        self.dt = self.model.opt.timestep * self.frame_skip
+        # Per instance: the playback rate depends on frame_skip.
+        self.metadata = {**type(self).metadata, "render_fps": int(round(1.0 / self.dt))}
+
+        self.action_space = spaces.Box(-1.0, 1.0, (self.model.nu,), np.float32)
+        pixels = spaces.Box(0, 255, (self.image_size, self.image_size, 3), np.uint8)
+        if obs_mode == "pixels":
+            self.observation_space: spaces.Space = pixels
+        else:
+            mujoco.mj_forward(self.model, self.data)
+            dim = self._state().shape[0]
+            state = spaces.Box(-np.inf, np.inf, (dim,), np.float32)
+            self.observation_space = spaces.Dict({"pixels": pixels, "state": state})
+
+        self._renderers: dict[tuple[int, int], mujoco.Renderer] = {}
+        self._frame: np.ndarray | None = None  # last policy frame, returned by render()
+
+    # ------------------------------------------------------------------ hooks
+    def _reset_task(self) -> None:
+        """Randomise ``self.data`` (qpos, qvel, mocap) with ``self.np_random``."""
+        raise NotImplementedError
+
+    def _after_step(self) -> None:
+        """Update per-episode bookkeeping after the physics step (optional)."""
+
+    def _reward(self) -> float:
+        """Dense reward for the state reached by the last step."""
+        raise NotImplementedError
+
+    def _info(self) -> dict[str, Any]:
+        """Step info; must contain ``is_success`` (a Python bool)."""
+        raise NotImplementedError
+
+    def _state(self) -> np.ndarray:
+        """Low-dimensional state for ``obs_mode="pixels_state"``."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- gym API
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        super().reset(seed=seed)
+        mujoco.mj_resetData(self.model, self.data)
+        self._reset_task()
+        mujoco.mj_forward(self.model, self.data)
+        return self._observation(), self._info()
+
+    def step(self, action: np.ndarray) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        action = np.asarray(action, dtype=np.float64).reshape(self.action_space.shape)
+        self.data.ctrl[:] = np.clip(action, -1.0, 1.0)
+        mujoco.mj_step(self.model, self.data, nstep=self.frame_skip)
+        # mj_step leaves positions/kinematics one substep stale; refresh them so
+        # the reward and the rendered frame describe the same, current state.
+        mujoco.mj_forward(self.model, self.data)
+        self._after_step()
+        reward = float(self._reward())
+        return self._observation(), reward, False, False, self._info()
+
+    def render(self) -> np.ndarray | None:
+        """The policy camera's frame, identical to the last observation's pixels."""
+        if self.render_mode is None:
+            return None
+        if self._frame is None:  # before the first reset
+            return self._render_camera(POLICY_CAMERA, self.image_size, self.image_size)
+        return self._frame.copy()
+
+    def render_view(self, width: int = 480, height: int = 480) -> np.ndarray:
+        """A larger third-person frame from the MJCF camera ``view``, for videos."""
+        return self._render_camera(VIEW_CAMERA, height, width)
+
+    def close(self) -> None:
+        for renderer in self._renderers.values():
+            renderer.close()
+        self._renderers.clear()
+        super().close()
+
+    # ------------------------------------------------------------- helpers
+    def _render_camera(self, camera: str, height: int, width: int) -> np.ndarray:
+        key = (int(height), int(width))
+        renderer = self._renderers.get(key)
+        if renderer is None:
+            renderer = self._renderers[key] = mujoco.Renderer(self.model, *key)
+        renderer.update_scene(self.data, camera=camera)
+        return renderer.render()
+
+    def _observation(self) -> Any:
+        self._frame = self._render_camera(POLICY_CAMERA, self.image_size, self.image_size)
+        if self.obs_mode == "pixels":
+            return self._frame
+        return {"pixels": self._frame, "state": self._state().astype(np.float32)}
+
+    def _body_xy(self, name: str) -> np.ndarray:
+        """World x, y of a body's frame (after the last ``mj_forward``/``mj_step``)."""
+        return self.data.body(name).xpos[:2].copy()
+
+
+def sample_annulus(rng: np.random.Generator, r_min: float, r_max: float) -> np.ndarray:
+    """A point uniformly distributed (by area) in the ring r_min <= |p| <= r_max."""
+    radius = np.sqrt(rng.uniform(r_min**2, r_max**2))
+    angle = rng.uniform(-np.pi, np.pi)
+    return np.array([radius * np.cos(angle), radius * np.sin(angle)])

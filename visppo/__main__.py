@@ -1,0 +1,5 @@
+import sys
+
+from visppo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,349 @@
+"""Every configuration key, its type, its default and one line on what it does.
+
+A config is built from the dataclass defaults, then a YAML file, then
+``key=value`` overrides (OmegaConf does the merging and the type checks), then
+:func:`validate` refuses values that cannot work. Every failure is a
+:class:`ConfigError` whose message names the key and says what to change.
+
+Sizes follow the rule of the design notes: ``ppo.*`` sizes change the
+learning, ``memory.*`` sizes only change how much memory one pass takes.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A config the user must change; the message is shown as ``error: <message>``."""
+
+
+@dataclass
+class EnvConfig:
+    id: str = "visppo/DotReach-v0"
+    """gymnasium id: a visppo task (visppo/DotReach-v0, ...) or any id that renders (Reacher-v5, ...)."""
+    pixels: bool = True
+    """Observe rendered camera frames; false passes the env's own observation through (must be an image)."""
+    state: bool = False
+    """Also observe the robot's proprioceptive vector, as a dict {"pixels", "state"}."""
+    image_size: int = 64
+    """Side of the square frames the policy sees, in pixels."""
+    frame_stack: int = 1
+    """Number of consecutive frames stacked along channels (needed when velocity matters)."""
+    action_repeat: int = 1
+    """Times each action is repeated in the env; rewards are summed."""
+    camera: str = ""
+    """Camera name for gymnasium MuJoCo ids (empty: the env's default camera)."""
+    max_episode_steps: int = 0
+    """Time limit in env steps; 0 keeps the env's registered limit."""
+    vector: str = "auto"
+    """sync | async | auto: async worker processes (forkserver) for heavy envs, sync for the synthetic ones."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments passed to gymnasium.make."""
+
+
+@dataclass
+class ModelConfig:
+    encoder: str = "nature"
+    """Image encoder: nature (Nature-DQN CNN)."""
+    encoder_weights: str = "none"
+    """none, or pretrained weights for the encoder."""
+    freeze_encoder_updates: int = 0
+    """Keep the encoder frozen for this many optimizer steps, then train it."""
+    feature_dim: int = 256
+    """Width of the encoder's output features."""
+    hidden_dim: int = 256
+    """Width of the actor's and critic's hidden layers."""
+    state_hidden_dim: int = 64
+    """Width of the MLP branch for the proprioceptive vector."""
+    share_encoder: bool = True
+    """Actor and critic share one encoder; false gives the critic its own."""
+    init_log_std: float = 0.0
+    """Initial log standard deviation of the Gaussian policy (Box actions)."""
+
+
+@dataclass
+class PPOConfig:
+    num_envs: int = 8
+    """Parallel environments; the rollout is num_envs * num_steps samples."""
+    num_steps: int = 128
+    """Steps per environment per iteration."""
+    minibatch_size: int = 256
+    """Samples per optimizer step (changes the learning)."""
+    num_epochs: int = 4
+    """Passes over the rollout per iteration."""
+    total_steps: int = 200_000
+    """Environment steps (summed over envs) to train for."""
+    learning_rate: float = 3e-4
+    """Adam learning rate at the start."""
+    anneal_lr: bool = True
+    """Decay the learning rate linearly to 0 over total_steps."""
+    gamma: float = 0.99
+    """Discount factor."""
+    gae_lambda: float = 0.95
+    """GAE lambda: 0 is one-step TD, 1 is Monte Carlo."""
+    clip_coef: float = 0.2
+    """PPO ratio clipping range."""
+    clip_value: bool = False
+    """Clip the value update around the old values with clip_coef."""
+    value_coef: float = 0.5
+    """Weight of the value loss."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    max_grad_norm: float = 0.5
+    """Clip the global gradient norm of each optimizer step to this."""
+    norm_adv: bool = True
+    """Normalise advantages over each minibatch."""
+    target_kl: float = 0.0
+    """Stop the iteration's update when a minibatch's approx KL exceeds 1.5x this; 0 disables."""
+    recompute_logp_old: bool = False
+    """Recompute logp_old over the rollout (chunked, no grad) before the update instead of using the acting pass's."""
+    recompute_advantages: bool = False
+    """Recompute values and advantages (chunked, no grad) at the start of every epoch."""
+    adam_eps: float = 1e-5
+    """Adam epsilon."""
+
+
+@dataclass
+class MemoryConfig:
+    micro_batch_size: int = 0
+    """Samples per backward pass; gradients accumulate to the minibatch. 0: the whole minibatch. Never changes the maths."""
+    infer_chunk_size: int = 1024
+    """Samples per no-grad forward pass (values, logp_old). Never changes the maths."""
+    budget: str = "8GiB"
+    """Device memory budget for the probe (e.g. 8GiB, 6000MB)."""
+
+
+@dataclass
+class TrainConfig:
+    device: str = "auto"
+    """cpu | cuda | cuda:N | auto (cuda when available)."""
+    amp: str = "auto"
+    """off | bf16 | fp16 | auto: mixed precision; auto is bf16 where the device supports it fast, else off. fp16 is CUDA only."""
+    channels_last: bool = True
+    """Run convolutions in channels_last memory format (much faster on CPU)."""
+    seed: int = 1
+    """Seed for torch, numpy, python and the envs."""
+    deterministic: bool = False
+    """Deterministic torch algorithms (slower; for reproducing runs exactly)."""
+    threads: int = 0
+    """torch intra-op threads; 0 keeps torch's default."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = ""
+    """Run directory; empty: runs/<task>-<date>-<time>."""
+    log_every: int = 1
+    """Write metrics every this many iterations."""
+    checkpoint_every: int = 10
+    """Save a checkpoint every this many iterations (and at the end)."""
+    keep_checkpoints: int = 3
+    """Numbered checkpoints to keep besides latest.pt."""
+    progress: bool = True
+    """Show a progress bar."""
+    tensorboard: bool = True
+    """Write TensorBoard events in the run directory."""
+
+
+@dataclass
+class Config:
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def rollout_size(self) -> int:
+        return self.ppo.num_envs * self.ppo.num_steps
+
+    @property
+    def micro_batch(self) -> int:
+        """The micro-batch size in effect (0 means the whole minibatch)."""
+        return self.memory.micro_batch_size or self.ppo.minibatch_size
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _schema() -> DictConfig:
+    cfg = OmegaConf.structured(Config)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def _explain(exc: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(exc, "full_key", None) or ""
+    msg = str(exc).splitlines()[0]
+    if "not in" in msg or "Key '" in msg and "not" in msg:
+        section = key.rsplit(".", 1)[0] if "." in key else ""
+        known = _known_keys(section)
+        hint = f" (known keys{' in ' + section if section else ''}: {', '.join(known)})" if known else ""
+        return ConfigError(f"unknown config key '{key}' in {source}{hint}")
+    if key:
+        return ConfigError(f"bad value for '{key}' in {source}: {msg}")
+    return ConfigError(f"{source}: {msg}")
+
+
+def _known_keys(section: str) -> list[str]:
+    node: Any = Config
+    for part in filter(None, section.split(".")):
+        match = [f for f in fields(node) if f.name == part]
+        if not match or not is_dataclass(match[0].default_factory):  # type: ignore[arg-type]
+            return []
+        node = match[0].default_factory  # type: ignore[assignment]
+    return [f.name for f in fields(node)]
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- ``key=value`` overrides, validated."""
+    cfg = _schema()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found: give the path of a YAML file (see configs/)")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            line = f" line {where.line + 1}" if where is not None else ""
+            raise ConfigError(f"{path}{line} is not valid YAML: fix the syntax") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must be a mapping of sections (env:, ppo:, ...), not {type(data).__name__}")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.create(data))
+        except OmegaConfBaseException as exc:
+            raise _explain(exc, str(path)) from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key=value (e.g. ppo.num_envs=4)")
+        key = item.split("=", 1)[0].strip()
+        if not key or "." not in key:
+            raise ConfigError(f"override '{item}' must name section.key (e.g. ppo.num_envs=4)")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as exc:
+            raise _explain(exc, "the command line") from None
+        except Exception as exc:  # yaml errors in the value part
+            raise ConfigError(f"cannot parse override '{item}': {exc}") from None
+    obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    validate(obj)
+    return obj
+
+
+def from_dict(data: dict) -> Config:
+    """Rebuild a Config from a plain dict (e.g. the one stored in a checkpoint)."""
+    try:
+        cfg = OmegaConf.merge(_schema(), OmegaConf.create(data))
+    except OmegaConfBaseException as exc:
+        raise _explain(exc, "the saved config") from None
+    obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    validate(obj)
+    return obj
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+# --------------------------------------------------------------------------- validation
+
+_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'8GiB' -> 8589934592. Raises ValueError on anything else."""
+    m = _BYTES.match(str(text))
+    if not m:
+        raise ValueError(f"'{text}' is not a size like 8GiB, 6000MB or 1073741824")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+
+
+def validate(cfg: Config) -> None:
+    """Refuse values that cannot work, naming the key and what to change."""
+
+    def positive(key: str, value: float) -> None:
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+
+    def choice(key: str, value: str, options: tuple[str, ...]) -> None:
+        if value not in options:
+            raise ConfigError(f"{key} must be one of {' | '.join(options)}, got '{value}'")
+
+    for key in ("ppo.num_envs", "ppo.num_steps", "ppo.minibatch_size", "ppo.num_epochs",
+                "ppo.total_steps", "ppo.learning_rate", "memory.infer_chunk_size",
+                "env.image_size", "env.frame_stack", "env.action_repeat", "model.feature_dim",
+                "model.hidden_dim", "model.state_hidden_dim", "run.log_every",
+                "run.checkpoint_every"):
+        section, name = key.split(".")
+        positive(key, getattr(getattr(cfg, section), name))
+    for key in ("memory.micro_batch_size", "ppo.entropy_coef", "ppo.target_kl", "ppo.max_grad_norm",
+                "env.max_episode_steps", "train.threads", "model.freeze_encoder_updates",
+                "run.keep_checkpoints", "ppo.value_coef", "ppo.clip_coef"):
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) < 0:
+            raise ConfigError(f"{key} must be >= 0, got {getattr(getattr(cfg, section), name)}")
+    if cfg.ppo.minibatch_size > cfg.rollout_size:
+        raise ConfigError(
+            f"ppo.minibatch_size ({cfg.ppo.minibatch_size}) is larger than the rollout "
+            f"ppo.num_envs * ppo.num_steps = {cfg.rollout_size}: lower it or collect more steps")
+    if cfg.memory.micro_batch_size > cfg.ppo.minibatch_size:
+        raise ConfigError(
+            f"memory.micro_batch_size ({cfg.memory.micro_batch_size}) is larger than "
+            f"ppo.minibatch_size ({cfg.ppo.minibatch_size}): lower it (0 means the whole minibatch)")
+    for key in ("ppo.gamma", "ppo.gae_lambda"):
+        value = getattr(cfg.ppo, key.split(".")[1])
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{key} must be in [0, 1], got {value}")
+    choice("train.amp", cfg.train.amp, ("off", "bf16", "fp16", "auto"))
+    choice("env.vector", cfg.env.vector, ("sync", "async", "auto"))
+    choice("model.encoder", cfg.model.encoder, ("nature",))
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.train.device):
+        raise ConfigError(f"train.device must be cpu, cuda, cuda:N or auto, got '{cfg.train.device}'")
+    if cfg.model.encoder_weights != "none":
+        raise ConfigError("model.encoder_weights: pretrained weights are not supported yet; use none")
+    try:
+        parse_bytes(cfg.memory.budget)
+    except ValueError as exc:
+        raise ConfigError(f"memory.budget: {exc}") from None
+    if cfg.env.image_size < 36 and cfg.model.encoder == "nature":
+        raise ConfigError(f"env.image_size must be >= 36 for the nature encoder, got {cfg.env.image_size}")
+
+
+# --------------------------------------------------------------------------- documentation
+
+
+def field_docs(cls: type = Config) -> dict[str, tuple[str, Any, str]]:
+    """``{"ppo.num_envs": (type, default, doc), ...}`` read from the attribute docstrings."""
+    out: dict[str, tuple[str, Any, str]] = {}
+    for section in fields(cls):
+        sub = section.default_factory  # type: ignore[misc]
+        tree = ast.parse(inspect.getsource(sub))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        docs: dict[str, str] = {}
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)  # type: ignore[union-attr]
+        default = sub()
+        for f in fields(sub):
+            out[f"{section.name}.{f.name}"] = (str(f.type), getattr(default, f.name), docs.get(f.name, ""))
+    return out

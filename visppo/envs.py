@@ -1,0 +1,163 @@
+"""Build the vector env the policy acts in: camera frames as uint8 CHW, stacked.
+
+Every env is wrapped into one observation layout, a dict
+``{"pixels": uint8[C*k, H, W], "state": float32[d]}`` ("state" only with
+``env.state``), so the buffer and the policy have one code path. Frames are
+transposed and stacked inside the workers, where it costs nothing to the
+learner. Vector envs use gymnasium's SAME_STEP autoreset: the step that ends an
+episode returns the next episode's first observation and puts the final one in
+``info["final_obs"]``, which the rollout needs to bootstrap truncated episodes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections import deque
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from visppo.config import Config, ConfigError
+
+SYNTHETIC_PREFIX = "visppo/Dot"
+
+
+def ensure_headless_gl() -> None:
+    """MuJoCo needs a GL backend; with no display, use EGL unless the user chose one."""
+    if not os.environ.get("DISPLAY") and not os.environ.get("MUJOCO_GL"):
+        os.environ["MUJOCO_GL"] = "egl"
+
+
+class ActionRepeat(gym.Wrapper):
+    """Repeat each action ``repeat`` times, summing rewards, stopping at episode end."""
+
+    def __init__(self, env: gym.Env, repeat: int):
+        super().__init__(env)
+        self.repeat = repeat
+
+    def step(self, action):
+        total = 0.0
+        for _ in range(self.repeat):
+            obs, reward, terminated, truncated, info = self.env.step(action)
+            total += float(reward)
+            if terminated or truncated:
+                break
+        return obs, total, terminated, truncated, info
+
+
+class PixelDict(gym.ObservationWrapper):
+    """Image (HWC uint8) or dict {"pixels", "state"} -> {"pixels": CHW stacked k frames, "state"}."""
+
+    def __init__(self, env: gym.Env, frame_stack: int, keep_state: bool):
+        super().__init__(env)
+        space = env.observation_space
+        pix = space["pixels"] if isinstance(space, gym.spaces.Dict) else space
+        if not (isinstance(pix, gym.spaces.Box) and pix.dtype == np.uint8 and len(pix.shape) == 3):
+            raise ConfigError(
+                f"env observation {space} is not an image (uint8 HxWxC): set env.pixels=true to "
+                "render frames, or pick an env with image observations")
+        h, w, c = pix.shape
+        self.k = frame_stack
+        spaces = {"pixels": gym.spaces.Box(0, 255, (c * self.k, h, w), np.uint8)}
+        self.keep_state = keep_state
+        if keep_state:
+            if not isinstance(space, gym.spaces.Dict) or "state" not in space.spaces:
+                raise ConfigError(f"env.state=true but {env.spec.id if env.spec else env} gives no state vector")
+            st = space["state"]
+            spaces["state"] = gym.spaces.Box(-np.inf, np.inf, (int(np.prod(st.shape)),), np.float32)
+        self.observation_space = gym.spaces.Dict(spaces)
+        self.frames: deque[np.ndarray] = deque(maxlen=self.k)
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        self.frames.clear()
+        frame = self._frame(obs)
+        for _ in range(self.k):
+            self.frames.append(frame)
+        return self._pack(obs), info
+
+    def observation(self, obs):
+        self.frames.append(self._frame(obs))
+        return self._pack(obs)
+
+    @staticmethod
+    def _frame(obs) -> np.ndarray:
+        pix = obs["pixels"] if isinstance(obs, dict) else obs
+        return np.ascontiguousarray(np.transpose(pix, (2, 0, 1)))
+
+    def _pack(self, obs) -> dict[str, np.ndarray]:
+        out = {"pixels": np.concatenate(self.frames, axis=0)}
+        if self.keep_state:
+            out["state"] = np.asarray(obs["state"], dtype=np.float32).reshape(-1)
+        return out
+
+
+def _is_visppo_task(env_id: str) -> bool:
+    return env_id.startswith("visppo/")
+
+
+def make_env(cfg: Config, render_mode: str | None = "rgb_array") -> gym.Env:
+    """One env with visppo's observation layout (used by workers and by evaluation)."""
+    import visppo_envs  # noqa: F401  registers visppo/* ids
+
+    e = cfg.env
+    kwargs: dict[str, Any] = dict(e.kwargs)
+    if e.max_episode_steps:
+        kwargs["max_episode_steps"] = e.max_episode_steps
+    if _is_visppo_task(e.id):
+        env = gym.make(e.id, image_size=e.image_size,
+                       obs_mode="pixels_state" if e.state else "pixels", **kwargs)
+    elif e.pixels:
+        ensure_headless_gl()
+        cam = {}
+        if e.camera:
+            cam = {"camera_name": e.camera}
+        try:
+            env = gym.make(e.id, render_mode="rgb_array", width=e.image_size, height=e.image_size,
+                           **cam, **kwargs)
+        except TypeError:  # envs that do not take a render size
+            env = gym.make(e.id, render_mode="rgb_array", **kwargs)
+        env = gym.wrappers.AddRenderObservation(env, render_only=not e.state,
+                                                render_key="pixels", obs_key="state")
+    else:
+        env = gym.make(e.id, **kwargs)
+    if e.action_repeat > 1:
+        env = ActionRepeat(env, e.action_repeat)
+    return PixelDict(env, e.frame_stack, e.state)
+
+
+def check_env_id(env_id: str) -> None:
+    """Refuse an unknown id early, before any worker starts."""
+    import visppo_envs  # noqa: F401
+
+    if env_id not in gym.registry:
+        raise ConfigError(f"env.id '{env_id}' is not a registered gymnasium id: check the spelling "
+                          "or install the package that registers it")
+
+
+def use_async(cfg: Config) -> bool:
+    if cfg.env.vector == "auto":
+        return cfg.ppo.num_envs > 1 and not cfg.env.id.startswith(SYNTHETIC_PREFIX)
+    return cfg.env.vector == "async"
+
+
+def _thunk(cfg: Config, index: int):
+    def make() -> gym.Env:
+        return make_env(cfg)
+    return make
+
+
+def make_vector_env(cfg: Config, num_envs: int | None = None) -> gym.vector.VectorEnv:
+    """``num_envs`` copies with SAME_STEP autoreset, async in forkserver workers when it pays."""
+    check_env_id(cfg.env.id)
+    n = num_envs or cfg.ppo.num_envs
+    fns = [_thunk(cfg, i) for i in range(n)]
+    mode = gym.vector.AutoresetMode.SAME_STEP
+    if use_async(cfg):
+        ctx = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        envs = gym.vector.AsyncVectorEnv(fns, shared_memory=True, context=ctx, autoreset_mode=mode)
+    else:
+        envs = gym.vector.SyncVectorEnv(fns, autoreset_mode=mode)
+    return envs

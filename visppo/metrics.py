@@ -1,0 +1,80 @@
+"""Where a run's numbers go: a progress bar, ``metrics.csv``, TensorBoard, phase timers."""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class PhaseTimer:
+    """Wall time per named phase (collect, score, update, ...) since the last ``reset``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+    def reset(self) -> dict[str, float]:
+        out, self.seconds = dict(self.seconds), defaultdict(float)
+        return out
+
+
+class Logger:
+    """Appends one row per logged iteration to ``metrics.csv`` and TensorBoard.
+
+    The CSV's columns are fixed by the first row written in the run (a resumed
+    run appends under the existing header); keys that appear later go to
+    TensorBoard only.
+    """
+
+    def __init__(self, run_dir: Path, total_steps: int, initial_step: int = 0,
+                 tensorboard: bool = True, progress: bool = True):
+        self.csv_path = run_dir / "metrics.csv"
+        self.columns: list[str] | None = None
+        if self.csv_path.exists() and self.csv_path.stat().st_size:
+            with self.csv_path.open() as f:
+                self.columns = next(csv.reader(f), None)
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(run_dir), purge_step=initial_step or None)
+        self.bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
+                        disable=not progress, smoothing=0.1)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        row = {"global_step": step, **scalars}
+        if self.columns is None:
+            self.columns = list(row)
+            with self.csv_path.open("w", newline="") as f:
+                csv.writer(f).writerow(self.columns)
+        with self.csv_path.open("a", newline="") as f:
+            csv.DictWriter(f, self.columns, extrasaction="ignore").writerow(row)
+        if self.writer is not None:
+            for k, v in scalars.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.writer.add_scalar(k, v, step)
+
+    def progress(self, steps: int, postfix: str) -> None:
+        self.bar.update(steps)
+        self.bar.set_postfix_str(postfix, refresh=False)
+
+    def message(self, text: str) -> None:
+        self.bar.write(text)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.writer is not None:
+            self.writer.close()

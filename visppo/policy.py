@@ -1,0 +1,100 @@
+"""ActorCritic: an encoder, a Gaussian or categorical actor, and a value head.
+
+Three entry points and nothing else: ``act`` (sample at collection time),
+``evaluate`` (log-prob, entropy and value of stored actions, for the loss) and
+``value`` (for bootstrapping). Distributions are built in float32 even under
+autocast: log-probs feed a ratio ``exp(new - old)`` that low precision would
+distort.
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+from torch.distributions import Categorical, Normal
+
+from visppo.config import ModelConfig
+from visppo.encoders import ObsEncoder
+
+Obs = dict[str, torch.Tensor]
+
+
+def _init(layer: nn.Linear, gain: float) -> nn.Linear:
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+def _mlp(in_dim: int, hidden: int, out_dim: int, out_gain: float) -> nn.Sequential:
+    return nn.Sequential(_init(nn.Linear(in_dim, hidden), np.sqrt(2)), nn.Tanh(),
+                         _init(nn.Linear(hidden, out_dim), out_gain))
+
+
+class ActorCritic(nn.Module):
+    def __init__(self, obs_space: gym.spaces.Dict, action_space: gym.Space, cfg: ModelConfig):
+        super().__init__()
+        pixel_shape = tuple(obs_space["pixels"].shape)
+        state_dim = int(np.prod(obs_space["state"].shape)) if "state" in obs_space.spaces else 0
+
+        def encoder() -> ObsEncoder:
+            return ObsEncoder(pixel_shape, state_dim, cfg.feature_dim, cfg.state_hidden_dim, cfg.encoder)
+
+        self.encoder = encoder()
+        self.critic_encoder = None if cfg.share_encoder else encoder()
+        self.discrete = isinstance(action_space, gym.spaces.Discrete)
+        if self.discrete:
+            act_dim = int(action_space.n)
+        elif isinstance(action_space, gym.spaces.Box):
+            act_dim = int(np.prod(action_space.shape))
+            self.log_std = nn.Parameter(torch.full((act_dim,), float(cfg.init_log_std)))
+        else:
+            raise ValueError(f"action space {action_space} is not supported: use Box or Discrete")
+        feat = self.encoder.out_dim
+        self.actor = _mlp(feat, cfg.hidden_dim, act_dim, 0.01)
+        self.critic = _mlp(feat, cfg.hidden_dim, 1, 1.0)
+
+    def encoder_parameters(self) -> list[nn.Parameter]:
+        params = list(self.encoder.parameters())
+        if self.critic_encoder is not None:
+            params += list(self.critic_encoder.parameters())
+        return params
+
+    def _features(self, obs: Obs) -> tuple[torch.Tensor, torch.Tensor]:
+        actor_feats = self.encoder(obs)
+        critic_feats = actor_feats if self.critic_encoder is None else self.critic_encoder(obs)
+        return actor_feats, critic_feats
+
+    def _dist(self, actor_feats: torch.Tensor) -> Normal | Categorical:
+        out = self.actor(actor_feats).float()
+        if self.discrete:
+            return Categorical(logits=out)
+        return Normal(out, self.log_std.float().exp().expand_as(out))
+
+    def _log_prob(self, dist: Normal | Categorical, action: torch.Tensor) -> torch.Tensor:
+        lp = dist.log_prob(action)
+        return lp if self.discrete else lp.sum(-1)
+
+    def act(self, obs: Obs, deterministic: bool = False):
+        """Sample actions (unclipped) with their log-probs and the values, for collection."""
+        actor_feats, critic_feats = self._features(obs)
+        dist = self._dist(actor_feats)
+        if deterministic:
+            action = dist.probs.argmax(-1) if self.discrete else dist.mean
+        else:
+            action = dist.sample()
+        value = self.critic(critic_feats).float().squeeze(-1)
+        return action, self._log_prob(dist, action), value
+
+    def evaluate(self, obs: Obs, action: torch.Tensor):
+        """Log-prob, entropy and value of given actions, with gradients, for the loss."""
+        actor_feats, critic_feats = self._features(obs)
+        dist = self._dist(actor_feats)
+        entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
+        value = self.critic(critic_feats).float().squeeze(-1)
+        return self._log_prob(dist, action), entropy, value
+
+    def value(self, obs: Obs) -> torch.Tensor:
+        feats = self.encoder(obs) if self.critic_encoder is None else self.critic_encoder(obs)
+        return self.critic(feats).float().squeeze(-1)

@@ -1,0 +1,240 @@
+"""The PPO update, memory-bounded: chunked no-grad passes and accumulated micro-batches.
+
+Two memory knobs, neither of which changes the maths:
+
+- ``infer_chunk_size``: every no-grad pass (bootstrap values, recomputed
+  ``logp_old`` and values) runs over at most this many samples at a time.
+- ``micro_batch_size``: each minibatch's backward runs in slices of this many
+  samples. A slice's loss is ``sum(per-sample loss) / minibatch_size``, so the
+  summed gradients are the minibatch's gradient, also when the last slice is
+  shorter. Everything that is a statistic *of the minibatch* (advantage
+  normalisation, approx-KL for early stopping, clip fraction) is computed over
+  the whole minibatch, never per slice. One clip and one optimizer step per
+  minibatch.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from visppo.buffer import RolloutBuffer, compute_gae, micro_batches, minibatches, obs_of
+from visppo.config import PPOConfig
+from visppo.policy import ActorCritic, Obs
+
+# --------------------------------------------------------------------------- precision
+
+
+@dataclass
+class Precision:
+    """Mixed-precision settings for one device: autocast dtype (None = fp32) and fp16 scaler."""
+
+    device: torch.device
+    dtype: torch.dtype | None = None
+    scaler: torch.amp.GradScaler | None = None
+
+    def autocast(self) -> AbstractContextManager:
+        if self.dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 matmul units (AVX512-BF16 or AMX)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_precision(amp: str, device: torch.device) -> Precision:
+    """``train.amp`` -> Precision. ``auto``: bf16 where the hardware does it fast, else fp32."""
+    if amp == "auto":
+        if device.type == "cuda":
+            amp = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        else:
+            amp = "bf16" if cpu_has_fast_bf16() else "off"
+    if amp == "off":
+        return Precision(device)
+    if amp == "fp16":
+        if device.type != "cuda":
+            raise ValueError("train.amp=fp16 needs a CUDA device: use bf16 or off on the CPU")
+        return Precision(device, torch.float16, torch.amp.GradScaler("cuda"))
+    return Precision(device, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- no-grad passes
+
+
+def _slice(obs: Obs, start: int, stop: int, device: torch.device) -> Obs:
+    nb = device.type == "cuda"
+    return {k: v[start:stop].to(device, non_blocking=nb) for k, v in obs.items()}
+
+
+@torch.inference_mode()
+def score(policy: ActorCritic, obs: Obs, actions: torch.Tensor | None, chunk_size: int,
+          device: torch.device, precision: Precision | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Values (and log-probs of ``actions`` if given) of flat ``obs``, ``chunk_size`` at a time.
+
+    Inputs may live on the host; each chunk moves to ``device`` alone, so peak
+    memory is one chunk's activations whatever the rollout size. Outputs are
+    float32 on the CPU.
+    """
+    autocast = precision.autocast() if precision else nullcontext()
+    n = next(iter(obs.values())).shape[0]
+    values = torch.empty(n, dtype=torch.float32)
+    logp = torch.empty(n, dtype=torch.float32) if actions is not None else None
+    for start in range(0, n, chunk_size):
+        stop = min(start + chunk_size, n)
+        chunk = _slice(obs, start, stop, device)
+        with autocast:
+            if actions is None:
+                values[start:stop] = policy.value(chunk).float().cpu()
+            else:
+                lp, _, v = policy.evaluate(chunk, actions[start:stop].to(device))
+                values[start:stop] = v.float().cpu()
+                logp[start:stop] = lp.float().cpu()  # type: ignore[index]
+    return values, logp
+
+
+def recompute_advantages(policy: ActorCritic, buffer: RolloutBuffer, last_obs: Obs, cfg: PPOConfig,
+                         chunk_size: int, device: torch.device, precision: Precision) -> None:
+    """Refresh ``buffer.values``, advantages and returns with the current critic (chunked)."""
+    values, _ = score(policy, {k: buffer.flat(v) for k, v in buffer.obs.items()}, None,
+                      chunk_size, device, precision)
+    buffer.values.copy_(values.view(buffer.T, buffer.N))
+    last_value, _ = score(policy, last_obs, None, chunk_size, device, precision)
+    adv, ret = compute_gae(buffer.rewards, buffer.values, last_value, buffer.terminated,
+                           buffer.truncated, buffer.final_values, cfg.gamma, cfg.gae_lambda)
+    buffer.advantages.copy_(adv)
+    buffer.returns.copy_(ret)
+
+
+# --------------------------------------------------------------------------- the loss
+
+
+def ppo_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+             new_values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+             entropy: torch.Tensor, clip_coef: float, clip_value: bool, value_coef: float,
+             entropy_coef: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-sample PPO loss (clipped surrogate + value + entropy), not reduced.
+
+    The caller reduces with ``sum() / minibatch_size`` so that micro-batches
+    add up to the minibatch mean. Also returns per-sample statistics (detached)
+    whose sums over the minibatch give its mean losses, approx-KL and clip fraction.
+    """
+    log_ratio = new_logp - old_logp
+    ratio = log_ratio.exp()
+    pg = -torch.min(ratio * advantages, ratio.clamp(1 - clip_coef, 1 + clip_coef) * advantages)
+    v_err = (new_values - returns) ** 2
+    if clip_value:
+        clipped = old_values + (new_values - old_values).clamp(-clip_coef, clip_coef)
+        v_err = torch.max(v_err, (clipped - returns) ** 2)
+    v_loss = 0.5 * v_err
+    loss = pg + value_coef * v_loss - entropy_coef * entropy
+    with torch.no_grad():
+        stats = {
+            "policy_loss": pg.detach(),
+            "value_loss": v_loss.detach(),
+            "entropy": entropy.detach(),
+            "approx_kl": (ratio - 1) - log_ratio,  # the low-variance estimator (Schulman)
+            "clip_frac": ((ratio - 1).abs() > clip_coef).float(),
+        }
+    return loss, stats
+
+
+# --------------------------------------------------------------------------- the update
+
+
+@dataclass
+class UpdateResult:
+    """What one iteration's update did, averaged over the minibatches that stepped."""
+
+    stats: dict[str, float]
+    optimizer_steps: int
+    skipped_steps: int
+    early_stopped: bool
+
+
+def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: RolloutBuffer,
+           cfg: PPOConfig, micro_batch_size: int, infer_chunk_size: int, device: torch.device,
+           precision: Precision, generator: torch.Generator, last_obs: Obs | None = None,
+           before_step=None) -> UpdateResult:
+    """``cfg.num_epochs`` passes over the buffer in minibatches, each accumulated over micro-batches.
+
+    ``before_step(optimizer)`` runs before every optimizer step (e.g. to freeze
+    the encoder); ``last_obs`` is needed only with ``cfg.recompute_advantages``.
+    """
+    params = [p for p in policy.parameters() if p.requires_grad]
+    totals: dict[str, float] = {}
+    steps = skipped = 0
+    early_stopped = False
+    for epoch in range(cfg.num_epochs):
+        if cfg.recompute_advantages and epoch > 0:
+            recompute_advantages(policy, buffer, last_obs, cfg, infer_chunk_size, device, precision)
+        advantages = buffer.flat(buffer.advantages)
+        for mb in minibatches(buffer.size, cfg.minibatch_size, generator):
+            n = len(mb)
+            adv = advantages[mb]
+            if cfg.norm_adv and n > 1:  # over the whole minibatch, never per micro-batch
+                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+            optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, torch.Tensor] = {}
+            offset = 0
+            for micro in micro_batches(mb, micro_batch_size):
+                batch = buffer.gather(micro, device)
+                micro_adv = adv[offset:offset + len(micro)].to(device)
+                offset += len(micro)
+                with precision.autocast():
+                    new_logp, entropy, new_values = policy.evaluate(obs_of(batch), batch["actions"])
+                loss, stats = ppo_loss(new_logp, batch["logp"], micro_adv, new_values, batch["values"],
+                                       batch["returns"], entropy, cfg.clip_coef, cfg.clip_value,
+                                       cfg.value_coef, cfg.entropy_coef)
+                loss = loss.sum() / n
+                (precision.scaler.scale(loss) if precision.scaler else loss).backward()
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v.sum().float()
+            mb_stats = {k: float(v) / n for k, v in sums.items()}
+            if cfg.target_kl and mb_stats["approx_kl"] > 1.5 * cfg.target_kl:
+                optimizer.zero_grad(set_to_none=True)
+                early_stopped = True  # SB3's rule: this minibatch's step is not taken
+                totals["stop_kl"] = mb_stats["approx_kl"]
+                break
+            if precision.scaler:
+                precision.scaler.unscale_(optimizer)
+            grad_norm = nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            if not torch.isfinite(grad_norm):
+                skipped += 1  # never let a NaN/inf step into the weights
+                optimizer.zero_grad(set_to_none=True)
+                if precision.scaler:
+                    precision.scaler.update()
+                continue
+            if before_step is not None:
+                before_step(optimizer)
+            if precision.scaler:
+                precision.scaler.step(optimizer)
+                precision.scaler.update()
+            else:
+                optimizer.step()
+            steps += 1
+            mb_stats["grad_norm"] = float(grad_norm)
+            _accumulate(totals, mb_stats)
+        if early_stopped:
+            break
+    count = totals.pop("_count", 1.0) or 1.0
+    stop_kl = totals.pop("stop_kl", None)
+    stats = {k: v / count for k, v in totals.items()}
+    if stop_kl is not None:
+        stats["stop_kl"] = stop_kl
+    return UpdateResult(stats, steps, skipped, early_stopped)
+
+
+def _accumulate(totals: dict[str, float], stats: dict[str, float]) -> None:
+    for k, v in stats.items():
+        totals[k] = totals.get(k, 0.0) + v
+    totals["_count"] = totals.get("_count", 0.0) + 1

@@ -1,0 +1,100 @@
+"""Collect one rollout: step the vector env, act batched over envs, fill the buffer.
+
+Values and log-probs come from the same forward pass that picks the action, so
+collection costs one policy pass per step. The policy acts in the main
+process; env workers only step and render.
+
+Time limits: the vector env runs in SAME_STEP autoreset mode, so the step that
+ends an episode already returns the next episode's first observation, and the
+final observation is in ``info["final_obs"]``. For a truncated (not terminated)
+episode, its value is the bootstrap that GAE needs, as Stable-Baselines3 does;
+a terminated one bootstraps with 0.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from visppo.buffer import RolloutBuffer
+from visppo.policy import ActorCritic
+
+
+@dataclass
+class RolloutState:
+    """What carries over from one rollout to the next: the current observations
+    and the running return and length of each env's unfinished episode."""
+
+    obs: dict[str, np.ndarray]
+    episode_return: np.ndarray
+    episode_length: np.ndarray
+
+    @classmethod
+    def start(cls, envs: gym.vector.VectorEnv, seed: int) -> RolloutState:
+        obs, _ = envs.reset(seed=seed)
+        n = envs.num_envs
+        return cls(obs=obs, episode_return=np.zeros(n), episode_length=np.zeros(n, dtype=np.int64))
+
+
+def to_torch(obs: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: torch.as_tensor(v).to(device, non_blocking=True) for k, v in obs.items()}
+
+
+def _stack_final(final_obs: np.ndarray, index: np.ndarray) -> dict[str, np.ndarray]:
+    items = [final_obs[i] for i in index]
+    return {k: np.stack([o[k] for o in items]) for k in items[0]}
+
+
+def collect(envs: gym.vector.VectorEnv, policy: ActorCritic, buffer: RolloutBuffer,
+            state: RolloutState, device: torch.device,
+            autocast: AbstractContextManager | None = None) -> list[dict[str, float]]:
+    """Fill ``buffer`` with ``buffer.T`` steps of every env; returns the episodes that ended.
+
+    Each ended episode is ``{"return", "length", "success"}`` (success is NaN
+    when the env reports no ``is_success``).
+    """
+    autocast = autocast or nullcontext()
+    space = envs.single_action_space
+    low = high = None
+    if isinstance(space, gym.spaces.Box):
+        low, high = space.low, space.high
+    episodes: list[dict[str, float]] = []
+    for t in range(buffer.T):
+        with torch.inference_mode(), autocast:
+            action, logp, value = policy.act(to_torch(state.obs, device))
+        for key, arr in state.obs.items():
+            buffer.obs[key][t].copy_(torch.from_numpy(arr))
+        action = action.cpu()
+        buffer.actions[t] = action
+        buffer.logp[t] = logp.float().cpu()
+        buffer.values[t] = value.float().cpu()
+        env_action = action.numpy()
+        if low is not None:
+            env_action = np.clip(env_action, low, high)  # the stored action stays unclipped
+        obs, reward, terminated, truncated, info = envs.step(env_action)
+        buffer.rewards[t] = torch.as_tensor(reward, dtype=torch.float32)
+        buffer.terminated[t] = torch.as_tensor(terminated)
+        buffer.truncated[t] = torch.as_tensor(truncated)
+        buffer.final_values[t] = 0.0
+        bootstrap = np.flatnonzero(truncated & ~terminated)
+        if bootstrap.size:
+            final = to_torch(_stack_final(info["final_obs"], bootstrap), device)
+            with torch.inference_mode(), autocast:
+                buffer.final_values[t, torch.as_tensor(bootstrap)] = policy.value(final).float().cpu()
+        state.episode_return += reward
+        state.episode_length += 1
+        for i in np.flatnonzero(terminated | truncated):
+            success = float("nan")
+            final_info = info.get("final_info", {})
+            if "is_success" in final_info and final_info.get("_is_success", np.ones(1, bool))[i]:
+                success = float(final_info["is_success"][i])
+            episodes.append({"return": float(state.episode_return[i]),
+                             "length": int(state.episode_length[i]), "success": success})
+            state.episode_return[i] = 0.0
+            state.episode_length[i] = 0
+        state.obs = obs
+    return episodes

@@ -39,7 +39,7 @@ class DotReachEnv(gym.Env):
         if obs_mode == "pixels":
             self.observation_space = pixels
         else:
-            state = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
+            state = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)  # dot position, last move
             self.observation_space = gym.spaces.Dict({"pixels": pixels, "state": state})
         self.action_space = (gym.spaces.Discrete(5) if discrete
                              else gym.spaces.Box(-1.0, 1.0, (2,), np.float32))

@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from visppo.config import UserError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message says which file and why."""
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from visppo.config import ConfigError, field_docs, load_config
+from visppo.config import ConfigError, UserError, field_docs, load_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -20,7 +21,11 @@ class _Parser(argparse.ArgumentParser):
 def _split(args: list[str]) -> tuple[str | None, list[str]]:
     """``[CONFIG] [key=value ...]``: the first argument is a config file unless it has an '='."""
     if args and "=" not in args[0]:
-        return args[0], args[1:]
+        first = args[0]
+        if not first.endswith((".yaml", ".yml")) and not Path(first).is_file():
+            raise ConfigError(f"'{first}' is neither a YAML config file nor a key=value override "
+                              "(e.g. ppo.num_envs=4)")
+        return first, args[1:]
     return None, args
 
 
@@ -63,11 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    from visppo.checkpoint import CheckpointError
-
     try:
         return ns.func(ns)
-    except (ConfigError, CheckpointError) as exc:
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

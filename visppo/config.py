@@ -23,8 +23,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
-class ConfigError(ValueError):
-    """A config the user must change; the message is shown as ``error: <message>``."""
+class UserError(ValueError):
+    """Bad input the user must fix; the CLI shows it as one ``error: <message>`` line, exit 2."""
+
+
+class ConfigError(UserError):
+    """A config the user must change."""
 
 
 @dataclass
@@ -180,6 +184,7 @@ class Config:
 def _schema() -> DictConfig:
     cfg = OmegaConf.structured(Config)
     OmegaConf.set_struct(cfg, True)
+    OmegaConf.set_struct(cfg.env.kwargs, False)  # free-form: passed on to gymnasium.make
     return cfg
 
 
@@ -314,6 +319,8 @@ def validate(cfg: Config) -> None:
         value = getattr(cfg.ppo, key.split(".")[1])
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{key} must be in [0, 1], got {value}")
+    if cfg.train.amp in ("False", "false"):  # YAML 1.1 reads a bare `off` as the boolean false
+        cfg.train.amp = "off"
     choice("train.amp", cfg.train.amp, ("off", "bf16", "fp16", "auto"))
     choice("env.vector", cfg.env.vector, ("sync", "async", "auto"))
     choice("model.encoder", cfg.model.encoder, ("nature",))

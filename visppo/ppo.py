@@ -151,6 +151,33 @@ def ppo_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.T
 # --------------------------------------------------------------------------- the update
 
 
+def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Tensor,
+                       advantages: torch.Tensor, cfg: PPOConfig, micro_batch_size: int,
+                       device: torch.device, precision: Precision) -> dict[str, float]:
+    """Accumulate the gradient of the minibatch ``mb`` into ``.grad``, one micro-batch at a time.
+
+    ``advantages`` are the minibatch's (already normalised over the whole
+    minibatch). Returns the minibatch's mean loss terms, approx-KL and clip fraction.
+    """
+    n = len(mb)
+    sums: dict[str, torch.Tensor] = {}
+    offset = 0
+    for micro in micro_batches(mb, micro_batch_size):
+        batch = buffer.gather(micro, device)
+        micro_adv = advantages[offset:offset + len(micro)].to(device)
+        offset += len(micro)
+        with precision.autocast():
+            new_logp, entropy, new_values = policy.evaluate(obs_of(batch), batch["actions"])
+        loss, stats = ppo_loss(new_logp, batch["logp"], micro_adv, new_values, batch["values"],
+                               batch["returns"], entropy, cfg.clip_coef, cfg.clip_value,
+                               cfg.value_coef, cfg.entropy_coef)
+        loss = loss.sum() / n  # the minibatch mean, split over micro-batches
+        (precision.scaler.scale(loss) if precision.scaler else loss).backward()
+        for k, v in stats.items():
+            sums[k] = sums.get(k, 0.0) + v.sum().float()
+    return {k: float(v) / n for k, v in sums.items()}
+
+
 @dataclass
 class UpdateResult:
     """What one iteration's update did, averaged over the minibatches that stepped."""
@@ -179,27 +206,11 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
             recompute_advantages(policy, buffer, last_obs, cfg, infer_chunk_size, device, precision)
         advantages = buffer.flat(buffer.advantages)
         for mb in minibatches(buffer.size, cfg.minibatch_size, generator):
-            n = len(mb)
             adv = advantages[mb]
-            if cfg.norm_adv and n > 1:  # over the whole minibatch, never per micro-batch
+            if cfg.norm_adv and len(mb) > 1:  # over the whole minibatch, never per micro-batch
                 adv = (adv - adv.mean()) / (adv.std() + 1e-8)
             optimizer.zero_grad(set_to_none=True)
-            sums: dict[str, torch.Tensor] = {}
-            offset = 0
-            for micro in micro_batches(mb, micro_batch_size):
-                batch = buffer.gather(micro, device)
-                micro_adv = adv[offset:offset + len(micro)].to(device)
-                offset += len(micro)
-                with precision.autocast():
-                    new_logp, entropy, new_values = policy.evaluate(obs_of(batch), batch["actions"])
-                loss, stats = ppo_loss(new_logp, batch["logp"], micro_adv, new_values, batch["values"],
-                                       batch["returns"], entropy, cfg.clip_coef, cfg.clip_value,
-                                       cfg.value_coef, cfg.entropy_coef)
-                loss = loss.sum() / n
-                (precision.scaler.scale(loss) if precision.scaler else loss).backward()
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v.sum().float()
-            mb_stats = {k: float(v) / n for k, v in sums.items()}
+            mb_stats = minibatch_gradient(policy, buffer, mb, adv, cfg, micro_batch_size, device, precision)
             if cfg.target_kl and mb_stats["approx_kl"] > 1.5 * cfg.target_kl:
                 optimizer.zero_grad(set_to_none=True)
                 early_stopped = True  # SB3's rule: this minibatch's step is not taken

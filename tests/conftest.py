@@ -1,0 +1,29 @@
+"""Shared fixtures: small configs that train in seconds on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from visppo.config import load_config
+
+torch.set_num_threads(2)
+
+
+def tiny_overrides(tmp_path=None, **extra) -> list[str]:
+    """A DotReach run small enough for a unit test: 2 envs x 32 steps, 64x64 frames."""
+    base = {
+        "ppo.num_envs": 2, "ppo.num_steps": 32, "ppo.minibatch_size": 32, "ppo.num_epochs": 2,
+        "ppo.total_steps": 128, "model.feature_dim": 32, "model.hidden_dim": 32,
+        "train.amp": "off", "train.device": "cpu", "run.progress": False,
+        "run.tensorboard": False,
+    }
+    if tmp_path is not None:
+        base["run.dir"] = str(tmp_path / "run")
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    return load_config(None, tiny_overrides(tmp_path))

@@ -1,0 +1,98 @@
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from visppo.buffer import RolloutBuffer, compute_gae, micro_batches, minibatches
+
+
+def _gae(rewards, values, last, term, trunc, final, gamma=0.9, lam=0.8):
+    t = lambda x: torch.tensor(x, dtype=torch.float32).view(-1, 1)  # noqa: E731
+    return compute_gae(t(rewards), t(values), torch.tensor([last], dtype=torch.float32),
+                       t(term).bool(), t(trunc).bool(), t(final), gamma, lam)
+
+
+def test_gae_no_episode_end_matches_hand_computation():
+    # gamma 0.9, lambda 0.8, V = [1, 2, 3], last value 4, rewards [1, 1, 1]
+    adv, ret = _gae([1, 1, 1], [1, 2, 3], 4.0, [0, 0, 0], [0, 0, 0], [0, 0, 0])
+    d2 = 1 + 0.9 * 4 - 3          # 1.6
+    d1 = 1 + 0.9 * 3 - 2          # 1.7
+    d0 = 1 + 0.9 * 2 - 1          # 1.8
+    a2 = d2
+    a1 = d1 + 0.72 * a2
+    a0 = d0 + 0.72 * a1
+    assert adv.view(-1).tolist() == pytest.approx([a0, a1, a2], rel=1e-6)
+    assert ret.view(-1).tolist() == pytest.approx([a0 + 1, a1 + 2, a2 + 3], rel=1e-6)
+
+
+def test_gae_termination_bootstraps_zero_and_cuts_trace():
+    adv, _ = _gae([1, 1, 1], [1, 2, 3], 4.0, [0, 1, 0], [0, 0, 0], [0, 99, 0])
+    a2 = 1 + 0.9 * 4 - 3          # 1.6, a new episode
+    a1 = 1 + 0.0 - 2              # -1, terminated: no bootstrap (final value ignored), no trace
+    a0 = (1 + 0.9 * 2 - 1) + 0.72 * a1
+    assert adv.view(-1).tolist() == pytest.approx([a0, a1, a2], rel=1e-6)
+
+
+def test_gae_truncation_bootstraps_final_observation_value():
+    adv, _ = _gae([1, 1, 1], [1, 2, 3], 4.0, [0, 0, 0], [0, 1, 0], [0, 5, 0])
+    a2 = 1 + 0.9 * 4 - 3
+    a1 = 1 + 0.9 * 5 - 2          # 3.5: bootstrap with V(final obs) = 5, not V(next obs) = 3
+    a0 = (1 + 0.9 * 2 - 1) + 0.72 * a1
+    assert adv.view(-1).tolist() == pytest.approx([a0, a1, a2], rel=1e-6)
+
+
+def test_gae_last_step_truncated_uses_final_value_not_last_value():
+    adv, _ = _gae([0, 0], [0, 0], 100.0, [0, 0], [0, 1], [0, 2])
+    assert adv.view(-1).tolist() == pytest.approx([0.72 * 1.8, 1.8], rel=1e-6)
+
+
+def test_gae_envs_are_independent():
+    r = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    v = torch.zeros(2, 2)
+    z = torch.zeros(2, 2, dtype=torch.bool)
+    adv, _ = compute_gae(r, v, torch.zeros(2), z, z, torch.zeros(2, 2), 1.0, 1.0)
+    assert adv.tolist() == [[1.0, 1.0], [0.0, 1.0]]
+
+
+def _spaces(frame_stack=3, size=84, state=True):
+    spaces = {"pixels": gym.spaces.Box(0, 255, (3 * frame_stack, size, size), np.uint8)}
+    if state:
+        spaces["state"] = gym.spaces.Box(-np.inf, np.inf, (7,), np.float32)
+    return gym.spaces.Dict(spaces), gym.spaces.Box(-1, 1, (2,), np.float32)
+
+
+def test_buffer_stores_uint8_frames_and_its_bytes_are_what_the_shapes_say():
+    obs_space, act_space = _spaces()
+    buf = RolloutBuffer(16, 4, obs_space, act_space)
+    assert buf.obs["pixels"].dtype == torch.uint8
+    assert buf.obs["pixels"].shape == (16, 4, 9, 84, 84)
+    assert buf.obs["state"].dtype == torch.float32
+    n = 16 * 4
+    expected = n * 9 * 84 * 84 + n * 7 * 4 + n * 2 * 4 + n * 4 * 6 + n * 2  # 6 float scalars, 2 bools
+    assert buf.nbytes() == expected
+
+
+def test_buffer_gather_keeps_uint8_and_picks_the_right_samples():
+    obs_space, act_space = _spaces(frame_stack=1, size=8, state=False)
+    buf = RolloutBuffer(3, 2, obs_space, act_space)
+    buf.obs["pixels"].copy_(torch.arange(6, dtype=torch.uint8).view(3, 2, 1, 1, 1).expand(3, 2, 3, 8, 8))
+    buf.rewards.copy_(torch.arange(6.0).view(3, 2))
+    out = buf.gather(torch.tensor([5, 0]), torch.device("cpu"))
+    assert out["obs.pixels"].dtype == torch.uint8
+    assert out["obs.pixels"][:, 0, 0, 0].tolist() == [5, 0]
+
+
+def test_discrete_actions_are_long():
+    obs_space, _ = _spaces(state=False)
+    buf = RolloutBuffer(2, 2, obs_space, gym.spaces.Discrete(5))
+    assert buf.actions.dtype == torch.long and buf.actions.shape == (2, 2)
+
+
+def test_minibatches_are_a_permutation_and_micro_batches_tile_them():
+    g = torch.Generator().manual_seed(0)
+    mbs = minibatches(10, 4, g)
+    assert [len(m) for m in mbs] == [4, 4, 2]
+    assert sorted(torch.cat(mbs).tolist()) == list(range(10))
+    micro = list(micro_batches(mbs[0], 3))
+    assert [len(m) for m in micro] == [3, 1]
+    assert torch.equal(torch.cat(micro), mbs[0])

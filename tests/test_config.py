@@ -1,0 +1,78 @@
+import pytest
+
+from visppo.config import Config, ConfigError, field_docs, from_dict, load_config, parse_bytes, to_dict
+
+
+def test_defaults_validate_and_public_keys_exist():
+    cfg = load_config()
+    docs = field_docs()
+    for key in ["env.id", "env.pixels", "env.image_size", "env.frame_stack", "model.encoder",
+                "model.encoder_weights", "model.freeze_encoder_updates", "ppo.num_envs",
+                "ppo.num_steps", "ppo.minibatch_size", "ppo.num_epochs", "ppo.total_steps",
+                "memory.micro_batch_size", "memory.infer_chunk_size", "memory.budget",
+                "train.device", "train.amp", "train.seed", "train.deterministic", "run.dir"]:
+        assert key in docs, key
+    assert cfg.rollout_size == cfg.ppo.num_envs * cfg.ppo.num_steps
+
+
+def test_every_key_has_a_one_line_doc():
+    for key, (_, _, doc) in field_docs().items():
+        assert doc and "\n" not in doc, f"{key} has no one-line docstring"
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  num_envs: 4\n  num_steps: 16\n  minibatch_size: 32\ntrain:\n  amp: off\n")
+    cfg = load_config(path, ["ppo.num_steps=32", "env.kwargs.speed=0.2"])
+    assert (cfg.ppo.num_envs, cfg.ppo.num_steps, cfg.train.amp) == (4, 32, "off")
+    assert cfg.env.kwargs == {"speed": 0.2}
+
+
+def test_round_trip_through_plain_dict():
+    cfg = load_config(None, ["ppo.num_envs=3", "ppo.minibatch_size=48"])
+    assert from_dict(to_dict(cfg)) == cfg
+    assert isinstance(to_dict(cfg)["ppo"], dict)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["ppo.num_envz=2"], "ppo.num_envz"),
+    (["ppo.num_envs=two"], "ppo.num_envs"),
+    (["ppo.num_envs=0"], "ppo.num_envs"),
+    (["ppo.num_steps=-1"], "ppo.num_steps"),
+    (["ppo.minibatch_size=100000"], "ppo.minibatch_size"),
+    (["memory.micro_batch_size=512"], "memory.micro_batch_size"),
+    (["memory.infer_chunk_size=0"], "memory.infer_chunk_size"),
+    (["train.amp=fp8"], "train.amp"),
+    (["train.device=tpu"], "train.device"),
+    (["ppo.gamma=1.5"], "ppo.gamma"),
+    (["memory.budget=lots"], "memory.budget"),
+    (["nonsense"], "key=value"),
+])
+def test_bad_values_are_refused_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_malformed_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ppo: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("ppo:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"ppo\.lr"):
+        load_config(unknown)
+
+
+def test_parse_bytes():
+    assert parse_bytes("8GiB") == 8 * 2**30
+    assert parse_bytes("6000MB") == 6 * 10**9
+    assert parse_bytes("1024") == 1024
+    with pytest.raises(ValueError):
+        parse_bytes("8 gigs")
+
+
+def test_micro_batch_zero_means_whole_minibatch():
+    assert Config().micro_batch == Config().ppo.minibatch_size

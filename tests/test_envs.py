@@ -1,0 +1,67 @@
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from visppo.config import ConfigError, load_config
+from visppo.envs import PixelDict, make_env, make_vector_env
+from visppo_envs.dot import DotReachEnv
+
+
+@pytest.mark.parametrize("obs_mode", ["pixels", "pixels_state"])
+@pytest.mark.parametrize("discrete", [False, True])
+def test_dot_reach_passes_gymnasium_check_env(obs_mode, discrete):
+    check_env(DotReachEnv(obs_mode=obs_mode, discrete=discrete), skip_render_check=False)
+
+
+def test_dot_reach_rewards_moving_onto_the_target():
+    env = DotReachEnv()
+    env.reset(seed=3)
+    total, success = 0.0, False
+    for _ in range(50):  # an oracle that moves straight to the target
+        step = np.clip((env.target - env.dot) / env.speed, -1, 1)
+        _, r, _, _, info = env.step(step)
+        total, success = total + r, info["is_success"]
+    assert success and total > 1.0
+
+
+def test_vector_env_gives_stacked_uint8_chw_frames_and_state():
+    cfg = load_config(None, ["ppo.num_envs=3", "env.frame_stack=4", "env.state=true", "env.image_size=48"])
+    envs = make_vector_env(cfg)
+    obs, _ = envs.reset(seed=0)
+    assert obs["pixels"].shape == (3, 12, 48, 48) and obs["pixels"].dtype == np.uint8
+    assert obs["state"].shape == (3, 4) and obs["state"].dtype == np.float32
+    envs.close()
+
+
+def test_frame_stack_holds_consecutive_frames_newest_last():
+    env = PixelDict(gym.make("visppo/DotReach-v0"), frame_stack=3, keep_state=False)
+    obs, _ = env.reset(seed=0)
+    first = obs["pixels"][-3:].copy()
+    assert np.array_equal(obs["pixels"][:3], first)  # reset repeats the first frame
+    obs, *_ = env.step(np.array([1.0, 0.0], np.float32))
+    assert np.array_equal(obs["pixels"][3:6], first)
+    assert np.array_equal(obs["pixels"][6:], np.transpose(env.unwrapped.render(), (2, 0, 1)))
+
+
+def test_action_repeat_sums_rewards():
+    cfg = load_config(None, ["env.action_repeat=3"])
+    env, ref = make_env(cfg), gym.make("visppo/DotReach-v0")
+    env.reset(seed=1)
+    ref.reset(seed=1)
+    a = np.array([0.3, -0.2], np.float32)
+    _, r, *_ = env.step(a)
+    expected = sum(ref.step(a)[1] for _ in range(3))
+    assert r == pytest.approx(expected, rel=1e-5)
+
+
+def test_non_image_env_without_pixels_is_refused():
+    cfg = load_config(None, ["env.id=CartPole-v1", "env.pixels=false"])
+    with pytest.raises(ConfigError, match="not an image"):
+        make_env(cfg)
+
+
+def test_unknown_env_id_is_refused():
+    cfg = load_config(None, ["env.id=visppo/Nope-v0"])
+    with pytest.raises(ConfigError, match="not a registered"):
+        make_vector_env(cfg)

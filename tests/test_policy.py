@@ -1,0 +1,56 @@
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from visppo.config import ModelConfig
+from visppo.policy import ActorCritic
+
+OBS = gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (3, 64, 64), np.uint8),
+                       "state": gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)})
+
+
+def _obs(n=6):
+    return {"pixels": torch.randint(0, 256, (n, 3, 64, 64), dtype=torch.uint8), "state": torch.randn(n, 4)}
+
+
+def test_gaussian_logp_is_of_the_unclipped_sample():
+    torch.manual_seed(0)
+    pol = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(init_log_std=1.0))
+    obs = _obs(64)
+    action, logp, value = pol.act(obs)
+    assert (action.abs() > 1).any(), "with std e^1 some samples leave the bounds"
+    lp, ent, v = pol.evaluate(obs, action)
+    torch.testing.assert_close(lp, logp)
+    torch.testing.assert_close(v, value)
+    mean = pol.actor(pol.encoder(obs))
+    expected = torch.distributions.Normal(mean, torch.e).log_prob(action).sum(-1)
+    torch.testing.assert_close(lp, expected)
+    assert pol.log_std.shape == (2,)  # state-independent
+
+
+def test_categorical_for_discrete():
+    pol = ActorCritic(OBS, gym.spaces.Discrete(5), ModelConfig())
+    action, logp, value = pol.act(_obs())
+    assert action.dtype == torch.long and action.shape == (6,)
+    assert torch.all(logp <= 0) and value.shape == (6,)
+    det, _, _ = pol.act(_obs(), deterministic=True)
+    assert det.shape == (6,)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_shared_or_separate_critic_encoder(share):
+    pol = ActorCritic(OBS, gym.spaces.Discrete(3), ModelConfig(share_encoder=share))
+    assert (pol.critic_encoder is None) == share
+    n_enc = sum(p.numel() for p in pol.encoder.parameters())
+    assert len(pol.encoder_parameters()) == (1 if share else 2) * len(list(pol.encoder.parameters()))
+    # the critic's gradient reaches the actor's encoder only when shared
+    obs = _obs()
+    pol.value(obs).sum().backward()
+    reached = pol.encoder.pixels.convs[0].weight.grad is not None
+    assert reached == share and n_enc > 0
+
+
+def test_unsupported_action_space():
+    with pytest.raises(ValueError, match="not supported"):
+        ActorCritic(OBS, gym.spaces.MultiBinary(3), ModelConfig())

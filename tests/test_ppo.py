@@ -1,0 +1,138 @@
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from visppo.buffer import RolloutBuffer
+from visppo.config import ModelConfig, PPOConfig
+from visppo.policy import ActorCritic
+from visppo.ppo import Precision, minibatch_gradient, ppo_loss, resolve_precision, score, update
+
+CPU = torch.device("cpu")
+
+
+def _setup(state=True, discrete=False, T=6, N=4, seed=0, share=True):
+    torch.manual_seed(seed)
+    spaces = {"pixels": gym.spaces.Box(0, 255, (6, 64, 64), np.uint8)}
+    if state:
+        spaces["state"] = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
+    obs_space = gym.spaces.Dict(spaces)
+    act_space = gym.spaces.Discrete(4) if discrete else gym.spaces.Box(-1, 1, (2,), np.float32)
+    policy = ActorCritic(obs_space, act_space, ModelConfig(feature_dim=32, hidden_dim=32,
+                                                          share_encoder=share))
+    buf = RolloutBuffer(T, N, obs_space, act_space)
+    g = torch.Generator().manual_seed(seed)
+    buf.obs["pixels"].copy_(torch.randint(0, 256, buf.obs["pixels"].shape, generator=g, dtype=torch.uint8))
+    if state:
+        buf.obs["state"].normal_(generator=g)
+    with torch.no_grad():
+        flat = {k: buf.flat(v) for k, v in buf.obs.items()}
+        action, logp, value = policy.act(flat)
+    buf.actions.copy_(action.view(buf.actions.shape))
+    buf.logp.copy_(logp.view(T, N) + 0.05 * torch.randn(T, N, generator=g))  # a slightly stale policy
+    buf.values.copy_(value.view(T, N))
+    buf.advantages.normal_(generator=g)
+    buf.returns.copy_(buf.values + buf.advantages)
+    return policy, buf
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 8, 24, 1000])
+def test_chunked_score_equals_unchunked(chunk):
+    policy, buf = _setup()
+    flat = {k: buf.flat(v) for k, v in buf.obs.items()}
+    actions = buf.flat(buf.actions)
+    with torch.no_grad():
+        ref_logp, _, ref_v = policy.evaluate(flat, actions)
+    v, lp = score(policy, flat, actions, chunk, CPU)
+    torch.testing.assert_close(v, ref_v, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lp, ref_logp, rtol=1e-5, atol=1e-6)
+    v_only, none = score(policy, flat, None, chunk, CPU)
+    assert none is None
+    torch.testing.assert_close(v_only, ref_v, rtol=1e-5, atol=1e-6)
+
+
+def _grads(policy, buf, mb, micro, cfg):
+    policy.zero_grad(set_to_none=True)
+    adv = buf.flat(buf.advantages)[mb]
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    stats = minibatch_gradient(policy, buf, mb, adv, cfg, micro, CPU, Precision(CPU))
+    return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, stats
+
+
+@pytest.mark.parametrize("micro", [1, 4, 5, 7, 20])
+@pytest.mark.parametrize("discrete,share", [(False, True), (True, False)])
+def test_accumulated_gradient_equals_full_minibatch_gradient(micro, discrete, share):
+    policy, buf = _setup(discrete=discrete, share=share)
+    cfg = PPOConfig(clip_value=True, entropy_coef=0.01)
+    mb = torch.randperm(buf.size, generator=torch.Generator().manual_seed(1))[:20]
+    full, full_stats = _grads(policy, buf, mb, 20, cfg)
+    acc, acc_stats = _grads(policy, buf, mb, micro, cfg)
+    assert full.keys() == acc.keys() and len(full) > 4
+    for name in full:
+        torch.testing.assert_close(acc[name], full[name], rtol=1e-5, atol=1e-7, msg=name)
+    for k in full_stats:  # minibatch statistics are over the whole minibatch, not per slice
+        assert acc_stats[k] == pytest.approx(full_stats[k], rel=1e-5, abs=1e-7)
+
+
+def test_ppo_loss_matches_hand_computation():
+    new_logp = torch.tensor([0.0, np.log(1.5), np.log(0.5)], dtype=torch.float32)
+    old_logp = torch.zeros(3)
+    adv = torch.tensor([1.0, 1.0, -2.0])
+    v_new, v_old, ret = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 0.0, 0.0]), torch.tensor([2.0, 1.0, 0.0])
+    ent = torch.tensor([0.5, 0.5, 0.5])
+    loss, stats = ppo_loss(new_logp, old_logp, adv, v_new, v_old, ret, ent, clip_coef=0.2,
+                           clip_value=False, value_coef=0.5, entropy_coef=0.1)
+    # ratio 1, 1.5 (clipped to 1.2 with A>0), 0.5 (A<0: min(-1, -1.6) = -1.6 -> pg 1.6)
+    pg = torch.tensor([-1.0, -1.2, 1.6])
+    v = 0.5 * torch.tensor([1.0, 1.0, 4.0])
+    torch.testing.assert_close(loss, pg + 0.5 * v - 0.1 * ent)
+    assert stats["clip_frac"].tolist() == [0.0, 1.0, 1.0]
+    # value clipping: new value 2 moved 2 from old 0, clipped to 0.2 -> error max((2-0)^2, (0.2-0)^2)
+    loss_c, stats_c = ppo_loss(new_logp, old_logp, adv, v_new, v_old, ret, ent, 0.2, True, 0.5, 0.1)
+    assert stats_c["value_loss"].tolist() == pytest.approx([0.5 * 3.24, 0.5 * 1.0, 0.5 * 4.0])
+
+
+def test_update_early_stops_on_target_kl_without_stepping():
+    policy, buf = _setup()
+    buf.logp.add_(3.0)  # a very stale policy: huge KL on the first minibatch
+    before = [p.detach().clone() for p in policy.parameters()]
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    res = update(policy, opt, buf, PPOConfig(num_epochs=2, minibatch_size=8, target_kl=0.01), 8, 8,
+                 CPU, Precision(CPU), torch.Generator().manual_seed(0))
+    assert res.early_stopped and res.optimizer_steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+
+
+def test_update_steps_once_per_minibatch_and_changes_parameters():
+    policy, buf = _setup()
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in policy.parameters()]
+    res = update(policy, opt, buf, PPOConfig(num_epochs=2, minibatch_size=10), 3, 7,
+                 CPU, Precision(CPU), torch.Generator().manual_seed(0))
+    assert res.optimizer_steps == 2 * 3  # 24 samples in minibatches of 10, 10, 4; two epochs
+    assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+
+
+def test_update_skips_non_finite_steps():
+    policy, buf = _setup()
+    buf.returns[0, 0] = float("nan")
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in policy.parameters()]
+    res = update(policy, opt, buf, PPOConfig(num_epochs=1, minibatch_size=24), 24, 24,
+                 CPU, Precision(CPU), torch.Generator().manual_seed(0))
+    assert res.skipped_steps == 1 and res.optimizer_steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+
+
+def test_resolve_precision():
+    assert resolve_precision("off", CPU).dtype is None
+    assert resolve_precision("bf16", CPU).dtype == torch.bfloat16
+    assert resolve_precision("auto", CPU).dtype in (None, torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA"):
+        resolve_precision("fp16", CPU)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp16_on_cuda_uses_a_grad_scaler():
+    p = resolve_precision("fp16", torch.device("cuda"))
+    assert p.dtype == torch.float16 and p.scaler is not None

@@ -1,0 +1,91 @@
+import gymnasium as gym
+import numpy as np
+import torch
+
+from visppo.buffer import RolloutBuffer
+from visppo.envs import PixelDict
+from visppo.rollout import RolloutState, collect
+
+
+class Counter(gym.Env):
+    """Frames filled with the step count; terminates at step ``terminate_at`` if set."""
+
+    observation_space = gym.spaces.Box(0, 255, (4, 4, 3), np.uint8)
+    action_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+
+    def __init__(self, terminate_at: int = 0):
+        self.t, self.terminate_at, self.received = 0, terminate_at, []
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.full((4, 4, 3), self.t, np.uint8), {}
+
+    def step(self, action):
+        self.received.append(np.asarray(action).copy())
+        self.t += 1
+        terminated = bool(self.terminate_at) and self.t == self.terminate_at
+        return np.full((4, 4, 3), self.t, np.uint8), 1.0, terminated, False, {"is_success": self.t == 2}
+
+
+class PixelValuePolicy:
+    """value(obs) = the frame's pixel value: tells which observation the rollout bootstrapped with."""
+
+    def act(self, obs):
+        n = obs["pixels"].shape[0]
+        value = obs["pixels"].float().mean(dim=(1, 2, 3))
+        return torch.full((n, 1), 5.0), torch.zeros(n), value
+
+    def value(self, obs):
+        return obs["pixels"].float().mean(dim=(1, 2, 3))
+
+
+def _envs(terminate_at=0, limit=3):
+    made = []
+
+    def make():
+        env = Counter(terminate_at)
+        made.append(env)
+        return PixelDict(gym.wrappers.TimeLimit(env, limit), frame_stack=1, keep_state=False)
+
+    envs = gym.vector.SyncVectorEnv([make], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    return envs, made
+
+
+def test_truncation_bootstraps_with_the_final_observation():
+    envs, _ = _envs(limit=3)
+    buf = RolloutBuffer(7, 1, envs.single_observation_space, envs.single_action_space)
+    state = RolloutState.start(envs, seed=0)
+    episodes = collect(envs, PixelValuePolicy(), buf, state, torch.device("cpu"))
+    trunc = buf.truncated[:, 0].tolist()
+    assert trunc == [False, False, True, False, False, True, False]
+    # the final frame of each episode shows 3; the reset frame that replaced it shows 0
+    assert buf.final_values[2, 0].item() == 3.0 and buf.final_values[5, 0].item() == 3.0
+    assert buf.values[3, 0].item() == 0.0  # the next step acts on the reset frame
+    assert [e["return"] for e in episodes] == [3.0, 3.0] and [e["length"] for e in episodes] == [3, 3]
+    assert all(e["success"] == 0.0 for e in episodes)  # is_success of the final step (t=3)
+
+
+def test_termination_does_not_bootstrap():
+    envs, _ = _envs(terminate_at=2, limit=10)
+    buf = RolloutBuffer(4, 1, envs.single_observation_space, envs.single_action_space)
+    collect(envs, PixelValuePolicy(), buf, RolloutState.start(envs, seed=0), torch.device("cpu"))
+    assert buf.terminated[:, 0].tolist() == [False, True, False, True]
+    assert not buf.truncated.any() and torch.all(buf.final_values == 0)
+
+
+def test_actions_are_clipped_for_the_env_and_stored_unclipped():
+    envs, made = _envs()
+    buf = RolloutBuffer(2, 1, envs.single_observation_space, envs.single_action_space)
+    collect(envs, PixelValuePolicy(), buf, RolloutState.start(envs, seed=0), torch.device("cpu"))
+    assert buf.actions[:, 0, 0].tolist() == [5.0, 5.0]
+    assert [float(a[0]) for a in made[0].received] == [1.0, 1.0]
+
+
+def test_observations_carry_over_between_rollouts():
+    envs, _ = _envs(limit=100)
+    buf = RolloutBuffer(2, 1, envs.single_observation_space, envs.single_action_space)
+    state = RolloutState.start(envs, seed=0)
+    collect(envs, PixelValuePolicy(), buf, state, torch.device("cpu"))
+    collect(envs, PixelValuePolicy(), buf, state, torch.device("cpu"))
+    assert buf.obs["pixels"][:, 0, 0, 0, 0].tolist() == [2, 3]

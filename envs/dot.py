@@ -30,7 +30,7 @@ class DotReachEnv(gym.Env):
     metadata = {"render_modes": ["rgb_array"], "render_fps": 20}
 
     def __init__(self, image_size: int = 64, obs_mode: str = "pixels", discrete: bool = False,
-                 speed: float = 0.08, radius: float = 0.1, render_mode: str | None = "rgb_array"):
+                 speed: float = 0.12, radius: float = 0.12, render_mode: str | None = "rgb_array"):
         if obs_mode not in ("pixels", "pixels_state"):
             raise ValueError(f"obs_mode must be pixels or pixels_state, got {obs_mode!r}")
         self.size, self.obs_mode, self.discrete = image_size, obs_mode, discrete

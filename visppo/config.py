@@ -71,7 +71,7 @@ class ModelConfig:
     """Width of the MLP branch for the proprioceptive vector."""
     share_encoder: bool = True
     """Actor and critic share one encoder; false gives the critic its own."""
-    init_log_std: float = 0.0
+    init_log_std: float = -0.5
     """Initial log standard deviation of the Gaussian policy (Box actions)."""
 
 
@@ -79,15 +79,15 @@ class ModelConfig:
 class PPOConfig:
     num_envs: int = 8
     """Parallel environments; the rollout is num_envs * num_steps samples."""
-    num_steps: int = 128
+    num_steps: int = 64
     """Steps per environment per iteration."""
-    minibatch_size: int = 256
+    minibatch_size: int = 128
     """Samples per optimizer step (changes the learning)."""
     num_epochs: int = 4
     """Passes over the rollout per iteration."""
-    total_steps: int = 200_000
+    total_steps: int = 50_000
     """Environment steps (summed over envs) to train for."""
-    learning_rate: float = 3e-4
+    learning_rate: float = 1e-3
     """Adam learning rate at the start."""
     anneal_lr: bool = True
     """Decay the learning rate linearly to 0 over total_steps."""

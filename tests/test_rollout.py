@@ -89,3 +89,42 @@ def test_observations_carry_over_between_rollouts():
     collect(envs, PixelValuePolicy(), buf, state, torch.device("cpu"))
     collect(envs, PixelValuePolicy(), buf, state, torch.device("cpu"))
     assert buf.obs["pixels"][:, 0, 0, 0, 0].tolist() == [2, 3]
+
+
+def test_a_killed_env_worker_ends_the_rollout_with_a_clear_error():
+    import os
+    import signal
+
+    import pytest
+
+    from visppo.config import RunError, load_config
+    from visppo.envs import make_vector_env
+
+    cfg = load_config(None, ["ppo.num_envs=2", "env.vector=async"])
+    envs = make_vector_env(cfg)
+    try:
+        buf = RolloutBuffer(4, 2, envs.single_observation_space, envs.single_action_space)
+        state = RolloutState.start(envs, seed=0)
+        os.kill(envs.processes[1].pid, signal.SIGKILL)
+        envs.processes[1].join(timeout=10)
+        with pytest.raises(RunError, match=r"visppo/DotReach-v0: worker 1 \(exit code -9\) died"):
+            collect(envs, PixelValuePolicy(), buf, state, torch.device("cpu"))
+    finally:
+        envs.close(terminate=True)
+
+
+def test_an_env_that_raises_ends_the_rollout_with_a_clear_error():
+    import pytest
+
+    from visppo.config import RunError
+
+    class Broken(Counter):
+        def step(self, action):
+            raise ValueError("simulator exploded")
+
+    envs = gym.vector.SyncVectorEnv([lambda: PixelDict(Broken(), 1, False)],
+                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    envs.env_id = "Broken-v0"
+    buf = RolloutBuffer(2, 1, envs.single_observation_space, envs.single_action_space)
+    with pytest.raises(RunError, match="Broken-v0 failed during step: ValueError: simulator exploded"):
+        collect(envs, PixelValuePolicy(), buf, RolloutState.start(envs, seed=0), torch.device("cpu"))

@@ -9,21 +9,22 @@ from visppo.train import train
 
 
 def _final_params(run_dir):
-    return torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)["model"]
+    ckpt = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)
+    # 2 iterations x 2 epochs x 3 minibatches (50 samples in 20, 20, 10): the runs did train
+    assert int(ckpt["optimizer"]["state"][0]["step"]) == 12
+    return ckpt["model"]
 
 
 def test_memory_knobs_do_not_change_the_trained_parameters(tmp_path):
     """Same run, different micro-batch and chunk sizes (dividing and not): same parameters."""
-    common = dict(**{"ppo.num_steps": 25, "ppo.minibatch_size": 20, "ppo.total_steps": 150,
+    common = dict(**{"ppo.num_steps": 25, "ppo.minibatch_size": 20, "ppo.total_steps": 100,
                      "ppo.recompute_logp_old": "true", "ppo.recompute_advantages": "true",
                      "ppo.clip_value": "true", "train.deterministic": "true"})
     runs = {}
-    for name, micro, chunk in [("whole", 0, 1024), ("split", 6, 7), ("tiny", 1, 3), ("even", 10, 25)]:
+    for name, micro, chunk in [("whole", 0, 1024), ("split", 6, 7), ("even", 10, 25)]:
         cfg = load_config(None, tiny_overrides(tmp_path / name, **common, **{
             "memory.micro_batch_size": micro, "memory.infer_chunk_size": chunk}))
         runs[name] = _final_params(train(cfg))
-    start = load_config(None, tiny_overrides(tmp_path / "x"))  # sanity: the runs did learn something
-    assert start.ppo.num_epochs == 2
     ref = runs.pop("whole")
     for name, params in runs.items():
         for key in ref:

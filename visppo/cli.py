@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from visppo.config import ConfigError, UserError, field_docs, load_config
+from visppo.config import ConfigError, RunError, UserError, field_docs, load_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RunError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("visppo: interrupted", file=sys.stderr)
         return 130

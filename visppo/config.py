@@ -31,6 +31,10 @@ class ConfigError(UserError):
     """A config the user must change."""
 
 
+class RunError(RuntimeError):
+    """A run that cannot go on (an env worker died, training diverged); shown as one ``error:`` line, exit 1."""
+
+
 @dataclass
 class EnvConfig:
     id: str = "visppo/DotReach-v0"

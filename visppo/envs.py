@@ -19,7 +19,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from visppo.config import Config, ConfigError
+from visppo.config import Config, ConfigError, RunError
 
 SYNTHETIC_PREFIX = "visppo/Dot"
 
@@ -160,4 +160,24 @@ def make_vector_env(cfg: Config, num_envs: int | None = None) -> gym.vector.Vect
         envs = gym.vector.AsyncVectorEnv(fns, shared_memory=True, context=ctx, autoreset_mode=mode)
     else:
         envs = gym.vector.SyncVectorEnv(fns, autoreset_mode=mode)
+    envs.env_id = cfg.env.id  # for error messages that name the env
     return envs
+
+
+def step_envs(envs: gym.vector.VectorEnv, actions: np.ndarray, env_id: str):
+    """``envs.step`` that turns a dead or failing worker into a :class:`RunError` naming the env.
+
+    A worker that raises sends its exception back (gymnasium re-raises it here);
+    a worker process that dies (segfault, OOM kill) closes its pipe, which
+    surfaces as EOFError / BrokenPipeError instead of a hang.
+    """
+    try:
+        return envs.step(actions)
+    except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
+        dead = [f"worker {i} (exit code {p.exitcode})" for i, p in enumerate(getattr(envs, "processes", []))
+                if p.exitcode is not None]
+        raise RunError(f"env {env_id}: {', '.join(dead) or 'a worker'} died during step "
+                       f"({type(exc).__name__}); the last checkpoint is intact") from None
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise RunError(f"env {env_id} failed during step: {type(exc).__name__}: {first[:200]}") from exc

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from visppo.buffer import RolloutBuffer
+from visppo.envs import step_envs
 from visppo.policy import ActorCritic
 
 
@@ -63,6 +64,7 @@ def collect(envs: gym.vector.VectorEnv, policy: ActorCritic, buffer: RolloutBuff
     if isinstance(space, gym.spaces.Box):
         low, high = space.low, space.high
     episodes: list[dict[str, float]] = []
+    env_id = getattr(envs, "env_id", "?")  # set by make_vector_env, for error messages
     for t in range(buffer.T):
         with torch.inference_mode(), autocast:
             action, logp, value = policy.act(to_torch(state.obs, device))
@@ -75,7 +77,7 @@ def collect(envs: gym.vector.VectorEnv, policy: ActorCritic, buffer: RolloutBuff
         env_action = action.numpy()
         if low is not None:
             env_action = np.clip(env_action, low, high)  # the stored action stays unclipped
-        obs, reward, terminated, truncated, info = envs.step(env_action)
+        obs, reward, terminated, truncated, info = step_envs(envs, env_action, env_id)
         buffer.rewards[t] = torch.as_tensor(reward, dtype=torch.float32)
         buffer.terminated[t] = torch.as_tensor(terminated)
         buffer.truncated[t] = torch.as_tensor(truncated)

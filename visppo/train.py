@@ -31,14 +31,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def seed_everything(seed: int, deterministic: bool) -> None:
+def seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
+    """Seed python, numpy and torch; with ``deterministic`` on CUDA, also pin cuDNN/cuBLAS.
+
+    The CPU kernels visppo uses are deterministic already, and
+    ``torch.use_deterministic_algorithms`` costs a heavy import of the compiler
+    stack, so it is only switched on for CUDA.
+    """
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if deterministic:
+    if deterministic and device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def default_run_dir(cfg: Config) -> Path:
@@ -76,7 +82,7 @@ def train(cfg: Config) -> Path:
         raise ConfigError(str(exc)) from None
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    seed_everything(cfg.train.seed, cfg.train.deterministic)
+    seed_everything(cfg.train.seed, cfg.train.deterministic, device)
 
     envs = make_vector_env(cfg)
     try:

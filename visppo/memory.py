@@ -1,0 +1,168 @@
+"""Memory meters: how many bytes a step really needs, on CUDA and on the CPU.
+
+A leaf module (torch and the standard library only), so ``ppo``, ``train`` and
+``probe`` can all use it. CUDA has allocator statistics; the CPU has none, so
+:class:`LiveBytes` counts the bytes of the tensors that ops create while it is
+active. That lets the memory-bounded update be measured (and tested) on a
+machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["LiveBytes", "peak_bytes", "is_oom", "format_bytes"]
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live bytes of the tensor storages created while the mode is active (any device).
+
+    Every op output whose storage is new (not the storage of one of the op's
+    inputs, nor one already counted) adds its ``nbytes()`` once; views, in-place
+    ops and ``out=`` results share a storage and add nothing. The bytes are
+    subtracted when the *storage* is freed, not when a Python tensor dies:
+    autograd keeps the outputs it saves for backward through its own handle on
+    the storage, and a view may outlive its base, so a per-tensor count would
+    drop activations that are still in memory. torch keeps a storage's Python
+    object alive as long as the C++ storage lives, so a ``weakref.finalize`` on
+    it fires exactly when the memory goes back to the allocator.
+
+    ``current`` and ``peak`` are bytes relative to the moment tracking started;
+    ``reset_peak()`` restarts the peak from ``current``. Counting also covers
+    ops that autograd runs in ``.backward()`` (the mode is thread-local state
+    that the autograd engine carries to the threads it uses).
+
+    Limits: only tensors created by ops under the mode count (not the ones that
+    existed before, even if resized inside; not memory that bypasses the
+    dispatcher, e.g. ``torch.from_numpy`` or a library's workspace); it counts
+    storage bytes, not what the allocator really holds (rounding, caching,
+    fragmentation), so on CUDA prefer the allocator's statistics
+    (:func:`peak_bytes` does). Tracking costs Python work on every op: measure
+    memory and time in separate runs.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}  # storage identity -> bytes counted for it
+        self._lock = threading.RLock()  # finalizers may run on another thread
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now (e.g. between phases of one step)."""
+        with self._lock:
+            self.peak = self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = {key for t in tree_leaves((args, kwargs)) if (key := _storage_key(t)) is not None}
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            self._track(t, inputs)
+        return out
+
+    def _track(self, t: Any, inputs: set[int]) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        try:
+            storage = t.untyped_storage()
+            key, nbytes = storage._cdata, storage.nbytes()
+        except (RuntimeError, NotImplementedError, AttributeError):  # sparse, wrapper subclasses
+            return
+        with self._lock:
+            if key in self._sizes:  # already counted: a view, an in-place op, or a resize
+                self._add(nbytes - self._sizes[key])
+                self._sizes[key] = nbytes
+                return
+            if key in inputs or nbytes == 0:  # aliases a tensor from before tracking, or empty
+                return
+            self._sizes[key] = nbytes
+            self._add(nbytes)
+        weakref.finalize(storage, self._free, key).atexit = False
+
+    def _add(self, nbytes: int) -> None:
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            self.current -= self._sizes.pop(key, 0)
+
+
+def _storage_key(t: Any) -> int | None:
+    """Identity of a tensor's storage (the C++ StorageImpl address), stable while it lives."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
+def peak_bytes(fn: Callable[[], Any], device: torch.device | str) -> int:
+    """Peak bytes that ``fn()`` adds on ``device`` above what was allocated before it.
+
+    CUDA: the caching allocator's own peak statistic (what a real GPU needs,
+    including the allocator's rounding). Elsewhere: :class:`LiveBytes`, which
+    counts the storages ``fn`` creates (see its limits).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - before)
+    with LiveBytes() as meter:
+        fn()
+    return meter.peak
+
+
+_OOM_MESSAGES = ("out of memory", "can't allocate memory")
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True when ``exc`` means an allocation failed, so a caller can back off to a smaller size.
+
+    torch raises ``torch.OutOfMemoryError`` on CUDA, but a plain ``RuntimeError``
+    for the CPU allocator ("DefaultCPUAllocator: can't allocate memory") and
+    for some CUDA paths (cuDNN/cuBLAS "CUDA out of memory"); Python's own
+    ``MemoryError`` counts too. Any other error is a bug and must propagate.
+    """
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    if isinstance(exc, RuntimeError):
+        msg = str(exc).lower()
+        return any(m in msg for m in _OOM_MESSAGES)
+    return False
+
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_bytes(n: int) -> str:
+    """Bytes for people, three significant digits: 512 B, 1.50 GiB, 12.0 MiB, 100 MiB."""
+    sign = "-" if n < 0 else ""
+    value = float(abs(n))
+    unit = 0
+    while value >= 1024 and unit < len(_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    if unit == 0:
+        return f"{sign}{int(value)} B"
+    if round(value, 2) < 10:
+        text = f"{value:.2f}"
+    elif round(value, 1) < 100:
+        text = f"{value:.1f}"
+    else:
+        text = f"{value:.0f}"
+    return f"{sign}{text} {_UNITS[unit]}"

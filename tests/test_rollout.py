@@ -128,3 +128,21 @@ def test_an_env_that_raises_ends_the_rollout_with_a_clear_error():
     buf = RolloutBuffer(2, 1, envs.single_observation_space, envs.single_action_space)
     with pytest.raises(RunError, match="Broken-v0 failed during step: ValueError: simulator exploded"):
         collect(envs, PixelValuePolicy(), buf, RolloutState.start(envs, seed=0), torch.device("cpu"))
+
+
+def test_acting_copy_equals_the_policy_after_sync_and_only_then():
+    from visppo.config import ModelConfig
+    from visppo.policy import ActorCritic
+    from visppo.rollout import ActingCopy
+
+    space = gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (3, 48, 48), np.uint8)})
+    policy = ActorCritic(space, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(feature_dim=16))
+    acting = ActingCopy(policy, torch.device("cpu"))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(1.0)
+    assert all(not torch.equal(a, b) for a, b in zip(acting.module.parameters(), policy.parameters()))
+    acting.sync(policy)
+    assert all(torch.equal(a, b) for a, b in zip(acting.module.parameters(), policy.parameters()))
+    assert acting.syncs == 1
+    assert all(not p.requires_grad for p in acting.module.parameters())

@@ -54,3 +54,33 @@ def test_learns_the_synthetic_task(tmp_path):
     first = sum(float(r["episode_return"]) for r in rows[:3]) / 3
     last = sum(float(r["episode_return"]) for r in rows[-5:]) / 5
     assert last > first + 1.5, (first, last)
+
+
+def test_split_devices_act_with_a_copy_synced_once_per_iteration(tmp_path, monkeypatch):
+    """rollout.device != train.device: collect uses the copy; one sync per iteration, not per step."""
+    import visppo.train as train_module
+    from visppo.rollout import ActingCopy
+
+    real_resolve = train_module.resolve_device
+    # two distinct CPU device objects stand in for cpu + cuda
+    monkeypatch.setattr(train_module, "resolve_device",
+                        lambda name: torch.device("cpu", 0) if name == "cpu" else real_resolve(name))
+    syncs, acted_with = [], []
+    real_sync, real_collect = ActingCopy.sync, train_module.collect
+
+    def counting_sync(self, policy):
+        real_sync(self, policy)
+        syncs.append(self.syncs)
+        for mine, theirs in zip(self.module.parameters(), policy.parameters()):
+            assert torch.equal(mine, theirs)
+
+    def spying_collect(envs, policy, *args, **kwargs):
+        acted_with.append(policy)
+        return real_collect(envs, policy, *args, **kwargs)
+
+    monkeypatch.setattr(ActingCopy, "sync", counting_sync)
+    monkeypatch.setattr(train_module, "collect", spying_collect)
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"rollout.device": "cpu", "train.device": "auto"}))
+    train(cfg)
+    assert syncs == [1, 2]  # 2 iterations of 32 steps each
+    assert len({id(p) for p in acted_with}) == 1 and not any(p.training for p in acted_with)

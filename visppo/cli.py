@@ -1,4 +1,4 @@
-"""``visppo train | config``: argument parsing and error reporting, nothing else.
+"""``visppo train | bench | config``: argument parsing and error reporting, nothing else.
 
 Bad input never shows a traceback: it prints one ``error:`` line that says what
 to change and exits with code 2.
@@ -39,6 +39,15 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(ns: argparse.Namespace) -> int:
+    from visppo.bench import bench_devices, format_devices
+
+    path, overrides = _split(ns.args)
+    cfg = load_config(path, overrides)
+    print(format_devices(bench_devices(cfg, repeats=ns.repeats)))
+    return 0
+
+
 def cmd_config(ns: argparse.Namespace) -> int:
     """Print the resolved config, or the reference of every key."""
     from visppo.config import to_yaml
@@ -59,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]",
                    help="a YAML file from configs/ and/or overrides such as ppo.num_envs=4")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("bench", help="bench devices: time acting and one micro-batch update per device")
+    p.add_argument("what", choices=["devices"], help="what to benchmark")
+    p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (median reported)")
+    p.set_defaults(func=cmd_bench)
     p = sub.add_parser("config", help="print the resolved config (or --reference: every key)")
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
     p.add_argument("--reference", action="store_true", help="list every key with type, default and doc")

@@ -148,6 +148,12 @@ class TrainConfig:
 
 
 @dataclass
+class RolloutConfig:
+    device: str = "auto"
+    """cpu | cuda | cuda:N | auto (the train device): where the policy acts; a copy is synced once per iteration."""
+
+
+@dataclass
 class RunConfig:
     dir: str = ""
     """Run directory; empty: runs/<task>-<date>-<time>."""
@@ -170,6 +176,7 @@ class Config:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     @property
@@ -328,8 +335,10 @@ def validate(cfg: Config) -> None:
     choice("train.amp", cfg.train.amp, ("off", "bf16", "fp16", "auto"))
     choice("env.vector", cfg.env.vector, ("sync", "async", "auto"))
     choice("model.encoder", cfg.model.encoder, ("nature",))
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.train.device):
-        raise ConfigError(f"train.device must be cpu, cuda, cuda:N or auto, got '{cfg.train.device}'")
+    for key in ("train.device", "rollout.device"):
+        value = getattr(getattr(cfg, key.split(".")[0]), "device")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ConfigError(f"{key} must be cpu, cuda, cuda:N or auto, got '{value}'")
     if cfg.model.encoder_weights != "none":
         raise ConfigError("model.encoder_weights: pretrained weights are not supported yet; use none")
     try:

@@ -13,6 +13,7 @@ a terminated one bootstraps with 0.
 
 from __future__ import annotations
 
+import copy
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -23,6 +24,29 @@ import torch
 from visppo.buffer import RolloutBuffer
 from visppo.envs import step_envs
 from visppo.policy import ActorCritic
+
+
+class ActingCopy:
+    """The policy's copy on the rollout device, when rollout and training run on different devices.
+
+    Synced from the trained policy once per iteration (never per step): the
+    rollout then runs on its device with no cross-device traffic but the
+    observations and actions. ``syncs`` counts the refreshes.
+    """
+
+    def __init__(self, policy: ActorCritic, device: torch.device):
+        self.module = copy.deepcopy(policy).to(device).eval()
+        self.module.requires_grad_(False)
+        self.device = device
+        self.syncs = 0
+
+    @torch.no_grad()
+    def sync(self, policy: ActorCritic) -> None:
+        for mine, theirs in zip(self.module.state_dict().values(), policy.state_dict().values()):
+            mine.copy_(theirs, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.syncs += 1
 
 
 @dataclass

@@ -19,7 +19,7 @@ from visppo.envs import check_env_id, make_vector_env
 from visppo.metrics import Logger, PhaseTimer
 from visppo.policy import ActorCritic
 from visppo.ppo import resolve_precision, score, update
-from visppo.rollout import RolloutState, collect, to_torch
+from visppo.rollout import ActingCopy, RolloutState, collect, to_torch
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,8 +76,11 @@ def train(cfg: Config) -> Path:
     check_run_dir(run_dir)
     check_env_id(cfg.env.id)
     device = resolve_device(cfg.train.device)
+    rollout_device = device if cfg.rollout.device == "auto" else resolve_device(cfg.rollout.device)
     try:
         precision = resolve_precision(cfg.train.amp, device)
+        acting_amp = "auto" if cfg.train.amp == "fp16" and rollout_device.type != "cuda" else cfg.train.amp
+        rollout_precision = resolve_precision(acting_amp, rollout_device)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.train.threads:
@@ -88,6 +91,7 @@ def train(cfg: Config) -> Path:
     try:
         policy = build_policy(cfg, envs.single_observation_space, envs.single_action_space, device)
         optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps)
+        acting = ActingCopy(policy, rollout_device) if rollout_device != device else None
         buffer = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, envs.single_observation_space,
                                envs.single_action_space, pin_memory=device.type == "cuda")
         state = RolloutState.start(envs, seed=cfg.train.seed)
@@ -99,7 +103,7 @@ def train(cfg: Config) -> Path:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         logger = Logger(run_dir, num_iterations * cfg.rollout_size,
                         tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
-        logger.message(f"visppo: run directory {run_dir}  (device {device}, amp "
+        logger.message(f"visppo: run directory {run_dir}  (train on {device}, act on {rollout_device}, amp "
                        f"{precision.dtype or 'off'}, {num_iterations} iterations of "
                        f"{cfg.rollout_size} steps, minibatch {cfg.ppo.minibatch_size}, micro-batch {micro})")
         timer, recent = PhaseTimer(), []
@@ -112,7 +116,10 @@ def train(cfg: Config) -> Path:
 
             policy.eval()
             with timer("collect"):
-                episodes = collect(envs, policy, buffer, state, device, precision.autocast())
+                if acting is not None:
+                    acting.sync(policy)  # once per iteration, never per step
+                episodes = collect(envs, acting.module if acting else policy, buffer, state,
+                                   rollout_device, rollout_precision.autocast())
             with timer("score"):
                 last_obs = to_torch(state.obs, torch.device("cpu"))
                 last_value, _ = score(policy, last_obs, None, chunk, device, precision)

@@ -1,0 +1,17 @@
+import torch
+
+from conftest import tiny_overrides
+from visppo.bench import bench_devices, format_devices
+from visppo.config import load_config
+
+
+def test_bench_devices_times_each_device_and_recommends_a_placement():
+    cfg = load_config(None, tiny_overrides())
+    result = bench_devices(cfg, repeats=1)
+    devices = [r["device"] for r in result["rows"]]
+    assert devices == ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    assert all(r["act_seconds"] > 0 and r["update_seconds"] > 0 for r in result["rows"])
+    if not torch.cuda.is_available():
+        assert result["train.device"] == result["rollout.device"] == "cpu"
+    text = format_devices(result)
+    assert "recommended: train.device=" in text

@@ -84,3 +84,36 @@ def test_split_devices_act_with_a_copy_synced_once_per_iteration(tmp_path, monke
     train(cfg)
     assert syncs == [1, 2]  # 2 iterations of 32 steps each
     assert len({id(p) for p in acted_with}) == 1 and not any(p.training for p in acted_with)
+
+
+def test_divergence_guard_skips_bad_steps_then_stops_keeping_the_last_good_checkpoint(tmp_path, monkeypatch):
+    import math
+
+    import visppo.ppo as ppo_module
+    import visppo.train as train_module
+    from visppo.config import RunError
+
+    poisoned = {"on": False}
+    real_loss, real_save = ppo_module.ppo_loss, train_module.save_checkpoint
+
+    def maybe_nan_loss(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        return (loss * float("nan"), stats) if poisoned["on"] else (loss, stats)
+
+    def save_then_poison(*args):
+        path = real_save(*args)
+        poisoned["on"] = True  # every step after the first checkpoint is non-finite
+        return path
+
+    monkeypatch.setattr(ppo_module, "ppo_loss", maybe_nan_loss)
+    monkeypatch.setattr(train_module, "save_checkpoint", save_then_poison)
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"run.checkpoint_every": 1, "ppo.total_steps": 640,
+                                                        "train.max_bad_steps": 5}))
+    with pytest.raises(RunError, match="diverged: 8 optimizer steps in a row"):
+        train(cfg)  # 4 skipped steps per iteration: stops at the end of the second bad iteration
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "latest.pt", weights_only=True)
+    assert ckpt["iteration"] == 2  # skipped steps left the weights as they were: still good
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert [int(r["skipped_steps"]) for r in rows] == [0, 4, 4][: len(rows)] and not math.isnan(
+        float(rows[0]["loss/value_loss"]))

@@ -30,11 +30,16 @@ def _split(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from visppo.train import train
+    from visppo.train import load_for_resume, train
 
-    path, overrides = _split(ns.args)
-    cfg = load_config(path, overrides)
-    run_dir = train(cfg)
+    if ns.resume:
+        if ns.args and "=" not in ns.args[0]:
+            raise ConfigError("--resume takes the saved config: give only key=value overrides, no CONFIG")
+        cfg, ckpt = load_for_resume(ns.resume, ns.args)
+        run_dir = train(cfg, resume=ckpt)
+    else:
+        path, overrides = _split(ns.args)
+        run_dir = train(load_config(path, overrides))
     print(f"visppo: run finished in {run_dir}")
     return 0
 
@@ -67,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a policy: visppo train [CONFIG] [key=value ...]")
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]",
                    help="a YAML file from configs/ and/or overrides such as ppo.num_envs=4")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a run from its checkpoints/latest.pt (may raise ppo.total_steps)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("bench", help="bench devices: time acting and one micro-batch update per device")
     p.add_argument("what", choices=["devices"], help="what to benchmark")

@@ -145,6 +145,8 @@ class TrainConfig:
     """Deterministic torch algorithms (slower; for reproducing runs exactly)."""
     threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""
+    max_bad_steps: int = 10
+    """Stop the run after this many optimizer steps in a row with a non-finite loss or gradient."""
 
 
 @dataclass
@@ -224,25 +226,29 @@ def _known_keys(section: str) -> list[str]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- YAML file <- ``key=value`` overrides, validated."""
-    cfg = _schema()
+    data: dict = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} not found: give the path of a YAML file (see configs/)")
         try:
-            data = yaml.safe_load(path.read_text())
+            data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
             where = getattr(exc, "problem_mark", None)
             line = f" line {where.line + 1}" if where is not None else ""
             raise ConfigError(f"{path}{line} is not valid YAML: fix the syntax") from None
-        if data is None:
-            data = {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must be a mapping of sections (env:, ppo:, ...), not {type(data).__name__}")
-        try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.create(data))
-        except OmegaConfBaseException as exc:
-            raise _explain(exc, str(path)) from None
+    return build_config(data, overrides, source=str(path) if path is not None else "the defaults")
+
+
+def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source: str = "the config") -> Config:
+    """Defaults <- ``data`` (nested sections) <- ``key=value`` overrides, validated."""
+    cfg = _schema()
+    try:
+        cfg = OmegaConf.merge(cfg, OmegaConf.create(data))
+    except OmegaConfBaseException as exc:
+        raise _explain(exc, source) from None
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key=value (e.g. ppo.num_envs=4)")
@@ -262,13 +268,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def from_dict(data: dict) -> Config:
     """Rebuild a Config from a plain dict (e.g. the one stored in a checkpoint)."""
-    try:
-        cfg = OmegaConf.merge(_schema(), OmegaConf.create(data))
-    except OmegaConfBaseException as exc:
-        raise _explain(exc, "the saved config") from None
-    obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    validate(obj)
-    return obj
+    return build_config(data, source="the saved config")
 
 
 def to_dict(cfg: Config) -> dict:
@@ -313,7 +313,7 @@ def validate(cfg: Config) -> None:
         section, name = key.split(".")
         positive(key, getattr(getattr(cfg, section), name))
     for key in ("memory.micro_batch_size", "ppo.entropy_coef", "ppo.target_kl", "ppo.max_grad_norm",
-                "env.max_episode_steps", "train.threads", "model.freeze_encoder_updates",
+                "env.max_episode_steps", "train.threads", "train.max_bad_steps", "model.freeze_encoder_updates",
                 "run.keep_checkpoints", "ppo.value_coef", "ppo.clip_coef"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:

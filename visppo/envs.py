@@ -94,6 +94,34 @@ class PixelDict(gym.ObservationWrapper):
         return out
 
 
+class SeededEpisodes(gym.Wrapper):
+    """Seed every episode from (base seed, episode index), so episodes are reproducible.
+
+    The first ``reset(seed=s)`` sets the base; each later reset (autoreset
+    included) reseeds the env with a seed derived from the base and the
+    episode's index. A resumed run sets ``episode`` from the checkpoint before
+    its first reset, and its envs then replay exactly the episodes the
+    interrupted run would have started.
+    """
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self.base_seed: int | None = None
+        self.episode = 0  # index of the current (or, before the first reset, the next) episode
+        self._started = False
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        if seed is not None:
+            self.base_seed = seed
+        elif self._started:
+            self.episode += 1
+        self._started = True
+        episode_seed = None
+        if self.base_seed is not None:
+            episode_seed = int(np.random.SeedSequence([self.base_seed, self.episode]).generate_state(1)[0])
+        return self.env.reset(seed=episode_seed, options=options)
+
+
 def _is_visppo_task(env_id: str) -> bool:
     return env_id.startswith("visppo/")
 
@@ -125,7 +153,7 @@ def make_env(cfg: Config, render_mode: str | None = "rgb_array") -> gym.Env:
         env = gym.make(e.id, **kwargs)
     if e.action_repeat > 1:
         env = ActionRepeat(env, e.action_repeat)
-    return PixelDict(env, e.frame_stack, e.state)
+    return SeededEpisodes(PixelDict(env, e.frame_stack, e.state))
 
 
 def check_env_id(env_id: str) -> None:

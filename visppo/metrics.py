@@ -45,12 +45,12 @@ class Logger:
         self.csv_path = run_dir / "metrics.csv"
         self.columns: list[str] | None = None
         if self.csv_path.exists() and self.csv_path.stat().st_size:
-            with self.csv_path.open() as f:
-                self.columns = next(csv.reader(f), None)
+            self.columns = _drop_rows_after(self.csv_path, initial_step)
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(run_dir), purge_step=initial_step or None)
+            # a resumed run drops the events logged after its checkpoint, as the CSV rows
+            self.writer = SummaryWriter(str(run_dir), purge_step=initial_step + 1 if initial_step else None)
         self.bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
                         disable=not progress, smoothing=0.1)
 
@@ -78,3 +78,19 @@ class Logger:
         self.bar.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def _drop_rows_after(path: Path, step: int) -> list[str] | None:
+    """Keep the CSV rows up to ``step`` (a resumed run redoes the rest); returns the header."""
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        return None
+    header, body = rows[0], rows[1:]
+    kept = [r for r in body if r and float(r[0]) <= step]
+    if len(kept) != len(body):
+        tmp = path.with_suffix(".csv.tmp")
+        with tmp.open("w", newline="") as f:
+            csv.writer(f).writerows([header, *kept])
+        tmp.replace(path)
+    return header

@@ -15,6 +15,7 @@ Two memory knobs, neither of which changes the maths:
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -102,6 +103,21 @@ def score(policy: ActorCritic, obs: Obs, actions: torch.Tensor | None, chunk_siz
     return values, logp
 
 
+def score_rollout(policy: ActorCritic, buffer: RolloutBuffer, last_obs: Obs, cfg: PPOConfig,
+                  chunk_size: int, device: torch.device, precision: Precision) -> None:
+    """After collection: bootstrap value of the last observation (and ``logp_old`` again if
+    ``cfg.recompute_logp_old``), chunked; then GAE into ``buffer.advantages`` / ``returns``."""
+    last_value, _ = score(policy, last_obs, None, chunk_size, device, precision)
+    if cfg.recompute_logp_old:
+        flat_obs = {k: buffer.flat(v) for k, v in buffer.obs.items()}
+        _, logp = score(policy, flat_obs, buffer.flat(buffer.actions), chunk_size, device, precision)
+        buffer.logp.copy_(logp.view(buffer.T, buffer.N))
+    adv, ret = compute_gae(buffer.rewards, buffer.values, last_value, buffer.terminated,
+                           buffer.truncated, buffer.final_values, cfg.gamma, cfg.gae_lambda)
+    buffer.advantages.copy_(adv)
+    buffer.returns.copy_(ret)
+
+
 def recompute_advantages(policy: ActorCritic, buffer: RolloutBuffer, last_obs: Obs, cfg: PPOConfig,
                          chunk_size: int, device: torch.device, precision: Precision) -> None:
     """Refresh ``buffer.values``, advantages and returns with the current critic (chunked)."""
@@ -186,6 +202,8 @@ class UpdateResult:
     optimizer_steps: int
     skipped_steps: int
     early_stopped: bool
+    trailing_skips: int = 0
+    """Non-finite steps since the last good one (the divergence guard counts these across updates)."""
 
 
 def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: RolloutBuffer,
@@ -199,7 +217,7 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
     """
     params = [p for p in policy.parameters() if p.requires_grad]
     totals: dict[str, float] = {}
-    steps = skipped = 0
+    steps = skipped = trailing = 0
     early_stopped = False
     for epoch in range(cfg.num_epochs):
         if cfg.recompute_advantages and epoch > 0:
@@ -221,6 +239,9 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
             grad_norm = nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             if not torch.isfinite(grad_norm):
                 skipped += 1  # never let a NaN/inf step into the weights
+                loss_finite = all(math.isfinite(v) for v in mb_stats.values())
+                if precision.scaler is None or not loss_finite:
+                    trailing += 1  # with fp16, inf gradients alone are the scaler's calibration
                 optimizer.zero_grad(set_to_none=True)
                 if precision.scaler:
                     precision.scaler.update()
@@ -233,6 +254,7 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
             else:
                 optimizer.step()
             steps += 1
+            trailing = 0
             mb_stats["grad_norm"] = float(grad_norm)
             _accumulate(totals, mb_stats)
         if early_stopped:
@@ -242,7 +264,7 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
     stats = {k: v / count for k, v in totals.items()}
     if stop_kl is not None:
         stats["stop_kl"] = stop_kl
-    return UpdateResult(stats, steps, skipped, early_stopped)
+    return UpdateResult(stats, steps, skipped, early_stopped, trailing)
 
 
 def _accumulate(totals: dict[str, float], stats: dict[str, float]) -> None:

@@ -13,12 +13,12 @@ import numpy as np
 import torch
 
 from visppo import checkpoint as ckpt_io
-from visppo.buffer import RolloutBuffer, compute_gae
-from visppo.config import Config, ConfigError, to_dict, to_yaml
+from visppo.buffer import RolloutBuffer
+from visppo.config import Config, ConfigError, RunError, build_config, to_dict, to_yaml
 from visppo.envs import check_env_id, make_vector_env
 from visppo.metrics import Logger, PhaseTimer
 from visppo.policy import ActorCritic
-from visppo.ppo import resolve_precision, score, update
+from visppo.ppo import resolve_precision, score_rollout, update
 from visppo.rollout import ActingCopy, RolloutState, collect, to_torch
 
 
@@ -70,10 +70,15 @@ def build_policy(cfg: Config, obs_space, action_space, device: torch.device) -> 
     return policy
 
 
-def train(cfg: Config) -> Path:
-    """Train a policy as ``cfg`` says; returns the run directory."""
+def train(cfg: Config, resume: dict | None = None) -> Path:
+    """Train a policy as ``cfg`` says; returns the run directory.
+
+    ``resume`` is a checkpoint (from :func:`load_for_resume`): the run goes on
+    in its directory from the iteration after it, with every state restored.
+    """
     run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
-    check_run_dir(run_dir)
+    if resume is None:
+        check_run_dir(run_dir)
     check_env_id(cfg.env.id)
     device = resolve_device(cfg.train.device)
     rollout_device = device if cfg.rollout.device == "auto" else resolve_device(cfg.rollout.device)
@@ -91,24 +96,30 @@ def train(cfg: Config) -> Path:
     try:
         policy = build_policy(cfg, envs.single_observation_space, envs.single_action_space, device)
         optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps)
+        generator = torch.Generator().manual_seed(cfg.train.seed)  # minibatch order, apart from acting
+        first_iteration, global_step = 1, 0
+        if resume is not None:
+            first_iteration, global_step = restore(resume, policy, optimizer, precision, generator, envs)
         acting = ActingCopy(policy, rollout_device) if rollout_device != device else None
         buffer = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, envs.single_observation_space,
                                envs.single_action_space, pin_memory=device.type == "cuda")
         state = RolloutState.start(envs, seed=cfg.train.seed)
-        generator = torch.Generator().manual_seed(cfg.train.seed)  # minibatch order, apart from acting
+        if resume is not None:
+            ckpt_io.set_rng_state(resume["rng"])  # last: building the model drew from the RNGs
         num_iterations = math.ceil(cfg.ppo.total_steps / cfg.rollout_size)
         micro, chunk = cfg.micro_batch, cfg.memory.infer_chunk_size
 
         run_dir.mkdir(parents=True, exist_ok=True)  # only now: bad input leaves nothing behind
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        logger = Logger(run_dir, num_iterations * cfg.rollout_size,
+        if resume is None:
+            (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        logger = Logger(run_dir, num_iterations * cfg.rollout_size, initial_step=global_step,
                         tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
-        logger.message(f"visppo: run directory {run_dir}  (train on {device}, act on {rollout_device}, amp "
-                       f"{precision.dtype or 'off'}, {num_iterations} iterations of "
-                       f"{cfg.rollout_size} steps, minibatch {cfg.ppo.minibatch_size}, micro-batch {micro})")
-        timer, recent = PhaseTimer(), []
-        global_step = 0
-        for iteration in range(1, num_iterations + 1):
+        logger.message(f"visppo: {'resuming' if resume else 'run directory'} {run_dir}  (train on {device}, "
+                       f"act on {rollout_device}, amp {precision.dtype or 'off'}, {num_iterations} "
+                       f"iterations of {cfg.rollout_size} steps, minibatch {cfg.ppo.minibatch_size}, "
+                       f"micro-batch {micro})")
+        timer, recent, bad_in_a_row = PhaseTimer(), [], 0
+        for iteration in range(first_iteration, num_iterations + 1):
             start = time.perf_counter()
             if cfg.ppo.anneal_lr:
                 for group in optimizer.param_groups:
@@ -122,16 +133,7 @@ def train(cfg: Config) -> Path:
                                    rollout_device, rollout_precision.autocast())
             with timer("score"):
                 last_obs = to_torch(state.obs, torch.device("cpu"))
-                last_value, _ = score(policy, last_obs, None, chunk, device, precision)
-                if cfg.ppo.recompute_logp_old:
-                    flat_obs = {k: buffer.flat(v) for k, v in buffer.obs.items()}
-                    _, logp = score(policy, flat_obs, buffer.flat(buffer.actions), chunk, device, precision)
-                    buffer.logp.copy_(logp.view(buffer.T, buffer.N))
-                adv, ret = compute_gae(buffer.rewards, buffer.values, last_value, buffer.terminated,
-                                       buffer.truncated, buffer.final_values, cfg.ppo.gamma, cfg.ppo.gae_lambda)
-                buffer.advantages.copy_(adv)
-                buffer.returns.copy_(ret)
-
+                score_rollout(policy, buffer, last_obs, cfg.ppo, chunk, device, precision)
             policy.train()
             with timer("update"):
                 result = update(policy, optimizer, buffer, cfg.ppo, micro, chunk, device, precision,
@@ -139,53 +141,119 @@ def train(cfg: Config) -> Path:
             global_step += cfg.rollout_size
 
             recent = (recent + episodes)[-100:]
-            seconds = timer.reset()
-            elapsed = time.perf_counter() - start
-            scalars = {
-                "iteration": iteration,
-                "episode_return": _mean(e["return"] for e in recent),
-                "episode_success": _mean(e["success"] for e in recent),
-                "episodes": len(episodes),
-                "lr": optimizer.param_groups[0]["lr"],
-                "steps_per_second": cfg.rollout_size / elapsed,
-                "optimizer_steps": result.optimizer_steps,
-                "skipped_steps": result.skipped_steps,
-                **{f"loss/{k}": v for k, v in result.stats.items()},
-                **{f"time/{k}": v for k, v in seconds.items()},
-            }
+            scalars = iteration_scalars(iteration, episodes, recent, optimizer, result, timer.reset(),
+                                        cfg.rollout_size / (time.perf_counter() - start))
             if iteration % cfg.run.log_every == 0 or iteration == num_iterations:
                 logger.log(global_step, scalars)
-            logger.progress(cfg.rollout_size, f"{scalars['steps_per_second']:.0f} sps, return "
-                            f"{scalars['episode_return']:.2f}, success {scalars['episode_success']:.2f}, "
-                            + " ".join(f"{k} {v:.1f}s" for k, v in seconds.items()))
+            logger.progress(cfg.rollout_size, progress_line(scalars))
+
+            bad_in_a_row = result.trailing_skips if result.optimizer_steps else bad_in_a_row + result.skipped_steps
+            if bad_in_a_row >= cfg.train.max_bad_steps:
+                raise RunError(f"training diverged: {bad_in_a_row} optimizer steps in a row had a non-finite "
+                               f"loss or gradient (train.max_bad_steps={cfg.train.max_bad_steps}); the last "
+                               f"good checkpoint is kept in {run_dir / 'checkpoints'}: lower "
+                               "ppo.learning_rate or try train.amp=off")
             if iteration % cfg.run.checkpoint_every == 0 or iteration == num_iterations:
-                save_checkpoint(run_dir, cfg, policy, optimizer, generator, iteration, global_step)
+                save_checkpoint(run_dir, cfg, policy, optimizer, precision, generator, envs,
+                                iteration, global_step)
         logger.close()
     finally:
         envs.close()
     return run_dir
 
 
+def iteration_scalars(iteration: int, episodes: list[dict], recent: list[dict],
+                      optimizer: torch.optim.Optimizer, result, seconds: dict[str, float],
+                      steps_per_second: float) -> dict[str, float]:
+    """One row of metrics.csv: episode stats over the last 100 episodes, losses, phase times."""
+    return {
+        "iteration": iteration,
+        "episode_return": _mean(e["return"] for e in recent),
+        "episode_success": _mean(e["success"] for e in recent),
+        "episodes": len(episodes),
+        "lr": optimizer.param_groups[0]["lr"],
+        "steps_per_second": steps_per_second,
+        "optimizer_steps": result.optimizer_steps,
+        "skipped_steps": result.skipped_steps,
+        **{f"loss/{k}": v for k, v in result.stats.items()},
+        **{f"time/{k}": v for k, v in seconds.items()},
+    }
+
+
+def progress_line(s: dict[str, float]) -> str:
+    phases = " ".join(f"{k[5:]} {v:.1f}s" for k, v in s.items() if k.startswith("time/"))
+    return (f"{s['steps_per_second']:.0f} sps, return {s['episode_return']:.2f}, "
+            f"success {s['episode_success']:.2f}, {phases}")
+
+
+# --------------------------------------------------------------------------- checkpoints and resume
+
+RESUMABLE = ("ppo.total_steps", "run.progress", "run.tensorboard", "run.log_every",
+             "run.checkpoint_every", "run.keep_checkpoints", "train.threads", "train.max_bad_steps")
+"""Keys a resumed run may change; everything else would make it a different run."""
+
+
 def save_checkpoint(run_dir: Path, cfg: Config, policy: ActorCritic, optimizer: torch.optim.Optimizer,
-                    generator: torch.Generator, iteration: int, global_step: int) -> Path:
+                    precision, generator: torch.Generator, envs, iteration: int, global_step: int) -> Path:
     """Write ``checkpoints/iter_N.pt`` and ``latest.pt`` atomically; keep the last few numbered ones."""
     folder = run_dir / "checkpoints"
     state = {
         "model": policy.state_dict(),
         "optimizer": optimizer.state_dict(),
+        "scaler": precision.scaler.state_dict() if precision.scaler else {},
         "config": to_dict(cfg),
         "iteration": iteration,
         "global_step": global_step,
         "rng": ckpt_io.rng_state(),
         "minibatch_generator": generator.get_state(),
+        "env_episodes": [int(e) for e in envs.get_attr("episode")],
     }
     numbered = folder / f"iter_{iteration:06d}.pt"
+    for stale in folder.glob(".*.tmp"):  # left by a save that a kill interrupted
+        stale.unlink(missing_ok=True)
     ckpt_io.atomic_save(state, numbered)
     ckpt_io.atomic_save(state, folder / "latest.pt")
     old = sorted(folder.glob("iter_*.pt"))
     for path in old[: max(0, len(old) - cfg.run.keep_checkpoints)]:
         path.unlink(missing_ok=True)
     return folder / "latest.pt"
+
+
+def load_for_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, dict]:
+    """The saved config (with the few allowed overrides) and the checkpoint of a run directory."""
+    run_dir = Path(run_dir)
+    latest = run_dir / "checkpoints" / "latest.pt"
+    if not run_dir.is_dir() or not (run_dir / "config.yaml").is_file() or not latest.is_file():
+        raise ConfigError(f"--resume {run_dir} is not a run directory (no config.yaml and "
+                          "checkpoints/latest.pt): give the directory a run printed at its start")
+    ckpt = ckpt_io.load(latest)
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key not in RESUMABLE:
+            raise ConfigError(f"{key} cannot change when resuming (only {', '.join(RESUMABLE)}); "
+                              "start a new run for other changes")
+    saved = ckpt["config"]
+    saved["run"]["dir"] = str(run_dir)
+    cfg = build_config(saved, overrides, source=str(latest))
+    if cfg.ppo.total_steps <= ckpt["global_step"]:
+        raise ConfigError(f"ppo.total_steps={cfg.ppo.total_steps} is already reached (the run is at step "
+                          f"{ckpt['global_step']}): raise it to train further")
+    return cfg, ckpt
+
+
+def restore(ckpt: dict, policy: ActorCritic, optimizer: torch.optim.Optimizer, precision,
+            generator: torch.Generator, envs) -> tuple[int, int]:
+    """Load every state a checkpoint carries; returns (first iteration to run, global step)."""
+    try:
+        policy.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise ckpt_io.CheckpointError(f"checkpoint does not fit this model: {str(exc).splitlines()[0][:200]}") from None
+    if precision.scaler and ckpt.get("scaler"):
+        precision.scaler.load_state_dict(ckpt["scaler"])
+    generator.set_state(ckpt["minibatch_generator"])
+    envs.set_attr("episode", list(ckpt["env_episodes"]))
+    return int(ckpt["iteration"]) + 1, int(ckpt["global_step"])
 
 
 def _mean(values) -> float:

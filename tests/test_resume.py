@@ -1,0 +1,131 @@
+"""Runs survive: exact resume in-process, and SIGKILL of a real `visppo train` process."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import visppo.train as train_module
+from conftest import tiny_overrides
+from visppo.checkpoint import load
+from visppo.config import load_config
+from visppo.train import load_for_resume, train
+
+# episodes of 16 steps, rollouts of 32: every iteration starts on fresh episodes
+EXACT = {"env.max_episode_steps": 16, "ppo.total_steps": 256, "run.checkpoint_every": 1,
+         "train.deterministic": "true", "ppo.minibatch_size": 24}
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_resumed_run_ends_with_the_same_parameters_as_an_uninterrupted_one(tmp_path, monkeypatch):
+    full = train(load_config(None, tiny_overrides(tmp_path / "full", **EXACT)))
+
+    real_save = train_module.save_checkpoint
+
+    def crash_after_second(run_dir, cfg, policy, optimizer, precision, generator, envs, iteration, step):
+        path = real_save(run_dir, cfg, policy, optimizer, precision, generator, envs, iteration, step)
+        if iteration == 2:
+            raise Interrupted
+        return path
+
+    monkeypatch.setattr(train_module, "save_checkpoint", crash_after_second)
+    with pytest.raises(Interrupted):
+        train(load_config(None, tiny_overrides(tmp_path / "cut", **EXACT)))
+    monkeypatch.undo()
+    cfg, ckpt = load_for_resume(tmp_path / "cut" / "run")
+    assert ckpt["iteration"] == 2 and ckpt["global_step"] == 128
+    resumed = train(cfg, resume=ckpt)
+
+    a = load(full / "checkpoints" / "latest.pt")
+    b = load(resumed / "checkpoints" / "latest.pt")
+    assert a["global_step"] == b["global_step"] == 256
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    steps = [int(r["global_step"]) for r in csv.DictReader((resumed / "metrics.csv").open())]
+    assert steps == [64, 128, 192, 256]
+
+
+SLOW_SAVE = textwrap.dedent("""
+    import sys, time, pathlib, torch
+    import visppo.checkpoint as ck
+    real = torch.save
+    marker = pathlib.Path(sys.argv[1])
+    def slow_save(obj, f, *a, **k):
+        real(obj, f, *a, **k)
+        if obj.get("iteration") == 3:   # the third checkpoint: hang mid-write, before fsync+rename
+            f.flush()
+            marker.write_text(str(getattr(f, "name", "")))
+            time.sleep(60)
+    ck.torch.save = slow_save
+    from visppo.cli import main
+    sys.exit(main(sys.argv[2:]))
+""")
+
+
+def _spawn(args, script=None, marker=None):
+    if script is None:
+        cmd = [sys.executable, "-m", "visppo", *args]
+    else:
+        cmd = [sys.executable, "-c", script, str(marker), *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(predicate, proc, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended early: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("timed out")
+
+
+def _resume_and_check(run_dir, total):
+    res = subprocess.run([sys.executable, "-m", "visppo", "train", "--resume", str(run_dir)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for path in (run_dir / "checkpoints").glob("*.pt"):
+        load(path)  # every checkpoint left is complete
+    assert not list((run_dir / "checkpoints").glob(".*.tmp"))
+    steps = [int(r["global_step"]) for r in csv.DictReader((run_dir / "metrics.csv").open())]
+    assert steps == list(range(64, total + 1, 64)), steps
+    assert load(run_dir / "checkpoints" / "latest.pt")["global_step"] == total
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_mid_training_then_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["train", *tiny_overrides(tmp_path, **{"ppo.total_steps": 640, "run.checkpoint_every": 2})]
+    proc = _spawn(args)
+    latest = run_dir / "checkpoints" / "iter_000004.pt"
+    _wait_for(latest.exists, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    step = load(run_dir / "checkpoints" / "latest.pt")["global_step"]
+    assert step >= 4 * 64 and step < 640
+    _resume_and_check(run_dir, 640)
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_while_a_checkpoint_is_being_written_then_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    marker = tmp_path / "writing"
+    args = ["train", *tiny_overrides(tmp_path, **{"ppo.total_steps": 320, "run.checkpoint_every": 1})]
+    proc = _spawn(args, SLOW_SAVE, marker)
+    _wait_for(marker.exists, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert load(run_dir / "checkpoints" / "latest.pt")["iteration"] == 2  # the old one, complete
+    assert list((run_dir / "checkpoints").glob(".*.tmp")), "the kill hit the write"
+    _resume_and_check(run_dir, 320)

@@ -46,7 +46,7 @@ def test_frame_stack_holds_consecutive_frames_newest_last():
 
 def test_action_repeat_sums_rewards():
     cfg = load_config(None, ["env.action_repeat=3"])
-    env, ref = make_env(cfg), gym.make("visppo/DotReach-v0")
+    env, ref = make_env(cfg), make_env(load_config())
     env.reset(seed=1)
     ref.reset(seed=1)
     a = np.array([0.3, -0.2], np.float32)
@@ -65,3 +65,16 @@ def test_unknown_env_id_is_refused():
     cfg = load_config(None, ["env.id=visppo/Nope-v0"])
     with pytest.raises(ConfigError, match="not a registered"):
         make_vector_env(cfg)
+
+
+def test_episodes_are_seeded_from_the_base_seed_and_their_index():
+    cfg = load_config(None, ["env.max_episode_steps=2"])
+    a, b = make_env(cfg), make_env(cfg)
+    first, _ = a.reset(seed=7)
+    a.step(a.action_space.sample())
+    a.step(a.action_space.sample())
+    second, _ = a.reset()
+    b.episode = 1  # as a resumed run sets it before its first reset: replay episode 1 of seed 7
+    replay, _ = b.reset(seed=7)
+    assert np.array_equal(replay["pixels"], second["pixels"])
+    assert not np.array_equal(first["pixels"], second["pixels"])

@@ -12,22 +12,16 @@ episode returns the next episode's first observation and puts the final one in
 from __future__ import annotations
 
 import multiprocessing
-import os
 from collections import deque
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from visppo_envs._gl import ensure_headless_gl
 
 from visppo.config import Config, ConfigError, RunError
 
 SYNTHETIC_PREFIX = "visppo/Dot"
-
-
-def ensure_headless_gl() -> None:
-    """MuJoCo needs a GL backend; with no display, use EGL unless the user chose one."""
-    if not os.environ.get("DISPLAY") and not os.environ.get("MUJOCO_GL"):
-        os.environ["MUJOCO_GL"] = "egl"
 
 
 class ActionRepeat(gym.Wrapper):
@@ -50,7 +44,7 @@ class ActionRepeat(gym.Wrapper):
 class PixelDict(gym.ObservationWrapper):
     """Image (HWC uint8) or dict {"pixels", "state"} -> {"pixels": CHW stacked k frames, "state"}."""
 
-    def __init__(self, env: gym.Env, frame_stack: int, keep_state: bool):
+    def __init__(self, env: gym.Env, frame_stack: int, keep_state: bool, image_size: int | None = None):
         super().__init__(env)
         space = env.observation_space
         pix = space["pixels"] if isinstance(space, gym.spaces.Dict) else space
@@ -59,6 +53,9 @@ class PixelDict(gym.ObservationWrapper):
                 f"env observation {space} is not an image (uint8 HxWxC): set env.pixels=true to "
                 "render frames, or pick an env with image observations")
         h, w, c = pix.shape
+        self.resize = image_size if image_size and (h, w) != (image_size, image_size) else None
+        if self.resize:  # envs that render at their own size (e.g. 600x400 classic control)
+            h = w = self.resize
         self.k = frame_stack
         spaces = {"pixels": gym.spaces.Box(0, 255, (c * self.k, h, w), np.uint8)}
         self.keep_state = keep_state
@@ -82,9 +79,12 @@ class PixelDict(gym.ObservationWrapper):
         self.frames.append(self._frame(obs))
         return self._pack(obs)
 
-    @staticmethod
-    def _frame(obs) -> np.ndarray:
+    def _frame(self, obs) -> np.ndarray:
         pix = obs["pixels"] if isinstance(obs, dict) else obs
+        if self.resize:
+            from PIL import Image
+
+            pix = np.asarray(Image.fromarray(pix).resize((self.resize, self.resize), Image.BILINEAR))
         return np.ascontiguousarray(np.transpose(pix, (2, 0, 1)))
 
     def _pack(self, obs) -> dict[str, np.ndarray]:
@@ -126,8 +126,18 @@ def _is_visppo_task(env_id: str) -> bool:
     return env_id.startswith("visppo/")
 
 
-def make_env(cfg: Config, render_mode: str | None = "rgb_array") -> gym.Env:
+def make_env(cfg: Config) -> gym.Env:
     """One env with visppo's observation layout (used by workers and by evaluation)."""
+    try:
+        return _make_env(cfg)
+    except gym.error.Error as exc:
+        raise ConfigError(f"env.id {cfg.env.id} cannot be made as configured: {str(exc).splitlines()[0]}"
+                          ) from None
+    except TypeError as exc:
+        raise ConfigError(f"env.id {cfg.env.id} refused its arguments ({exc}): check env.kwargs") from None
+
+
+def _make_env(cfg: Config) -> gym.Env:
     import visppo_envs  # noqa: F401  registers visppo/* ids
 
     e = cfg.env
@@ -147,13 +157,17 @@ def make_env(cfg: Config, render_mode: str | None = "rgb_array") -> gym.Env:
                            **cam, **kwargs)
         except TypeError:  # envs that do not take a render size
             env = gym.make(e.id, render_mode="rgb_array", **kwargs)
+        if env.render_mode != "rgb_array" or "rgb_array" not in env.metadata.get("render_modes", []):
+            env.close()
+            raise ConfigError(f"env.id {e.id} cannot render camera frames (no rgb_array render mode): "
+                              "pick an env that renders, or one with image observations and env.pixels=false")
         env = gym.wrappers.AddRenderObservation(env, render_only=not e.state,
                                                 render_key="pixels", obs_key="state")
     else:
         env = gym.make(e.id, **kwargs)
     if e.action_repeat > 1:
         env = ActionRepeat(env, e.action_repeat)
-    return SeededEpisodes(PixelDict(env, e.frame_stack, e.state))
+    return SeededEpisodes(PixelDict(env, e.frame_stack, e.state, e.image_size))
 
 
 def check_env_id(env_id: str) -> None:
@@ -181,6 +195,8 @@ def make_vector_env(cfg: Config, num_envs: int | None = None) -> gym.vector.Vect
     """``num_envs`` copies with SAME_STEP autoreset, async in forkserver workers when it pays."""
     check_env_id(cfg.env.id)
     n = num_envs or cfg.ppo.num_envs
+    if use_async(cfg):
+        make_env(cfg).close()  # fail here, with a clear error, rather than in n workers
     fns = [_thunk(cfg, i) for i in range(n)]
     mode = gym.vector.AutoresetMode.SAME_STEP
     if use_async(cfg):

@@ -96,3 +96,17 @@ def test_minibatches_are_a_permutation_and_micro_batches_tile_them():
     micro = list(micro_batches(mbs[0], 3))
     assert [len(m) for m in micro] == [3, 1]
     assert torch.equal(torch.cat(micro), mbs[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_buffer_gathers_through_staging_to_cuda():
+    obs_space, act_space = _spaces(frame_stack=1, size=8, state=False)
+    buf = RolloutBuffer(4, 2, obs_space, act_space, pin_memory=True)
+    assert buf.obs["pixels"].is_pinned()
+    buf.rewards.copy_(torch.arange(8.0).view(4, 2))
+    buf.returns.copy_(torch.arange(8.0).view(4, 2))
+    for _ in range(3):  # both staging sets, then reuse
+        out = buf.gather(torch.tensor([7, 1, 3]), torch.device("cuda"))
+        assert out["returns"].device.type == "cuda"
+        assert out["returns"].cpu().tolist() == [7.0, 1.0, 3.0]
+        assert out["obs.pixels"].dtype == torch.uint8

@@ -72,3 +72,48 @@ def test_malformed_yaml_is_refused_by_the_real_command_without_traceback(tmp_pat
 def test_unknown_command_is_an_error_line(capsys):
     code, err = run_main(capsys, "fly")
     assert code == 2 and err.startswith("error: ")
+
+
+def test_env_that_cannot_render_is_refused(tmp_path, capsys):
+    code, err = run_main(capsys, "train", "env.id=CartPole-v1", "env.pixels=false", f"run.dir={tmp_path / 'r'}")
+    assert code == 2 and err.startswith("error: ") and "not an image" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_unwritable_run_dir_is_refused(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "file").write_text("")
+    code, err = run_main(capsys, "train", f"run.dir={locked / 'file' / 'run'}")
+    assert code == 2 and err.startswith("error: run.dir") and "writable" in err
+
+
+def test_existing_run_dir_is_not_overwritten(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("precious")
+    code, err = run_main(capsys, "train", f"run.dir={tmp_path / 'run'}")
+    assert code == 2 and "already holds a run" in err
+    assert (tmp_path / "run" / "config.yaml").read_text() == "precious"
+
+
+def test_resume_of_a_directory_that_is_not_a_run(tmp_path, capsys):
+    code, err = run_main(capsys, "train", "--resume", str(tmp_path))
+    assert code == 2 and err.startswith("error: --resume") and "not a run directory" in err
+
+
+def test_resume_with_a_corrupt_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    (run / "checkpoints" / "latest.pt").write_bytes(b"PK\x03\x04 not really a checkpoint")
+    code, err = run_main(capsys, "train", "--resume", str(run))
+    assert code == 2 and err.startswith("error: checkpoint") and "corrupt" in err
+
+
+def test_resume_refuses_changing_the_maths(tmp_path, capsys):
+    code, err = run_main(capsys, "train", *tiny_overrides(tmp_path))
+    assert code == 0
+    code, err = run_main(capsys, "train", "--resume", str(tmp_path / "run"), "ppo.num_envs=4")
+    assert code == 2 and "ppo.num_envs cannot change when resuming" in err
+    code, err = run_main(capsys, "train", "--resume", str(tmp_path / "run"))
+    assert code == 2 and "already reached" in err

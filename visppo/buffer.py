@@ -58,6 +58,10 @@ class RolloutBuffer:
     def __init__(self, num_steps: int, num_envs: int, obs_space: gym.spaces.Dict,
                  action_space: gym.Space, pin_memory: bool = False):
         self.T, self.N = num_steps, num_envs
+        self.pinned = pin_memory
+        self._staging: list[dict[str, torch.Tensor]] = [{}, {}]  # two pinned sets, used in turn
+        self._staging_ready: list = [None, None]  # CUDA events: the copy out of each set is done
+        self._turn = 0
 
         def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             t = torch.zeros((num_steps, num_envs, *shape), dtype=dtype)
@@ -93,11 +97,31 @@ class RolloutBuffer:
         return tensor.reshape(self.size, *tensor.shape[2:])
 
     def gather(self, index: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
-        """Samples at flat ``index`` moved to ``device``; obs stay uint8 until the encoder."""
-        nb = device.type == "cuda"
-        out = {f"obs.{k}": self.flat(v)[index].to(device, non_blocking=nb) for k, v in self.obs.items()}
-        for name in ("actions", "logp", "values", "advantages", "returns"):
-            out[name] = self.flat(getattr(self, name))[index].to(device, non_blocking=nb)
+        """Samples at flat ``index`` moved to ``device``; obs stay uint8 until the encoder.
+
+        Towards CUDA from a pinned buffer, the samples are gathered into one of
+        two pinned staging sets (a plain gather would land in pageable memory,
+        which cannot copy asynchronously); the copy then overlaps the compute of
+        the previous micro-batch, and a set is reused only once its copy is done.
+        """
+        sources = {f"obs.{k}": v for k, v in self.obs.items()}
+        for name in ("actions", "logp", "values", "returns"):
+            sources[name] = getattr(self, name)
+        if not (self.pinned and device.type == "cuda"):
+            return {k: self.flat(v)[index].to(device) for k, v in sources.items()}
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._staging_ready[turn] is not None:
+            self._staging_ready[turn].synchronize()
+        staging, out = self._staging[turn], {}
+        for key, src in sources.items():
+            flat = self.flat(src)
+            if key not in staging or staging[key].shape[0] < len(index):
+                staging[key] = torch.empty((len(index), *flat.shape[1:]), dtype=flat.dtype).pin_memory()
+            part = staging[key][: len(index)]
+            torch.index_select(flat, 0, index, out=part)
+            out[key] = part.to(device, non_blocking=True)
+        self._staging_ready[turn] = torch.cuda.Event()
+        self._staging_ready[turn].record()
         return out
 
 

@@ -34,10 +34,10 @@ class NatureCNN(nn.Module):
         self.out_dim = feature_dim
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        x = _uint8_to_float(pixels)
         if self.convs[0].weight.is_contiguous(memory_format=torch.channels_last):
-            x = x.contiguous(memory_format=torch.channels_last)  # follow the model's layout
-        return self.proj(self.convs(x))
+            # follow the model's layout; reorder the uint8 frames, 4x cheaper than floats
+            pixels = pixels.contiguous(memory_format=torch.channels_last)
+        return self.proj(self.convs(_uint8_to_float(pixels)))
 
 
 class ObsEncoder(nn.Module):

@@ -66,6 +66,12 @@ class ActorCritic(nn.Module):
         critic_feats = actor_feats if self.critic_encoder is None else self.critic_encoder(obs)
         return actor_feats, critic_feats
 
+    def _value(self, critic_feats: torch.Tensor) -> torch.Tensor:
+        """The value head's last layer runs in fp32: bf16 would round returns of ~100 to 0.5."""
+        hidden = self.critic[:-1](critic_feats)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.critic[-1](hidden.float()).squeeze(-1)
+
     def _dist(self, actor_feats: torch.Tensor) -> Normal | Categorical:
         out = self.actor(actor_feats).float()
         if self.discrete:
@@ -84,17 +90,14 @@ class ActorCritic(nn.Module):
             action = dist.probs.argmax(-1) if self.discrete else dist.mean
         else:
             action = dist.sample()
-        value = self.critic(critic_feats).float().squeeze(-1)
-        return action, self._log_prob(dist, action), value
+        return action, self._log_prob(dist, action), self._value(critic_feats)
 
     def evaluate(self, obs: Obs, action: torch.Tensor):
         """Log-prob, entropy and value of given actions, with gradients, for the loss."""
         actor_feats, critic_feats = self._features(obs)
         dist = self._dist(actor_feats)
         entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
-        value = self.critic(critic_feats).float().squeeze(-1)
-        return self._log_prob(dist, action), entropy, value
+        return self._log_prob(dist, action), entropy, self._value(critic_feats)
 
     def value(self, obs: Obs) -> torch.Tensor:
-        feats = self.encoder(obs) if self.critic_encoder is None else self.critic_encoder(obs)
-        return self.critic(feats).float().squeeze(-1)
+        return self._value(self.encoder(obs) if self.critic_encoder is None else self.critic_encoder(obs))

@@ -1,0 +1,219 @@
+"""Speed and peak memory of one PPO update epoch, per micro-batch size and precision.
+
+    python tools/bench_update.py                                   # default task, 64x64
+    python tools/bench_update.py env.image_size=84 env.frame_stack=3
+    python tools/bench_update.py configs/dot_reach.yaml --micro 32,0 --amp off --json out.json
+
+The rollout buffer is filled with random uint8 frames and random
+actions / log-probs / values / advantages / returns (no env stepping), then
+``visppo.ppo.update`` runs one epoch over it (``ppo.num_epochs=1``, early
+stopping off). Each row is the median of ``--repeats`` timed runs after one
+warm-up, as update samples/s (samples = rollout size), its ratio to the first
+row, and the peak memory of one update measured in a separate, untimed run
+(tracking slows every op). The first row is the baseline a plain PPO would
+run: fp32, NCHW, the whole minibatch in one backward. Peak memory counts what
+the update allocates (gradients, gathered batches, activations), not the
+parameters and optimizer state that exist before it (shown in the header).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import torch
+
+from visppo.buffer import RolloutBuffer
+from visppo.config import Config, UserError, load_config
+from visppo.envs import make_env
+from visppo.memory import format_bytes, peak_bytes
+from visppo.ppo import Precision, resolve_precision, update
+from visppo.train import build_policy, resolve_device
+
+DEFAULT_OVERRIDES = ["ppo.minibatch_size=256"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]",
+                   help="a YAML config and/or overrides (defaults: the default task, ppo.minibatch_size=256)")
+    p.add_argument("--micro", default="16,32,64,0",
+                   help="comma-separated memory.micro_batch_size values; 0 = the whole minibatch")
+    p.add_argument("--amp", default="off,bf16", help="comma-separated train.amp values (off, bf16, fp16, auto)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per row (median reported)")
+    p.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
+    return p.parse_args(argv)
+
+
+def load(args: list[str]) -> Config:
+    path = None
+    if args and "=" not in args[0]:
+        path, args = args[0], args[1:]
+    return load_config(path, DEFAULT_OVERRIDES + list(args))
+
+
+def spaces(cfg: Config) -> tuple[gym.spaces.Dict, gym.Space]:
+    env = make_env(cfg)
+    try:
+        return env.observation_space, env.action_space
+    finally:
+        env.close()
+
+
+def random_buffer(cfg: Config, obs_space: gym.spaces.Dict, action_space: gym.Space,
+                  generator: torch.Generator) -> RolloutBuffer:
+    """A rollout buffer full of random frames and plausible-scale random statistics."""
+    buf = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, obs_space, action_space)
+    for tensor in buf.obs.values():
+        if tensor.dtype == torch.uint8:
+            tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8, generator=generator))
+        else:
+            tensor.normal_(generator=generator)
+    if isinstance(action_space, gym.spaces.Discrete):
+        buf.actions.copy_(torch.randint(0, int(action_space.n), buf.actions.shape, generator=generator))
+        buf.logp.uniform_(-3.0, -0.5, generator=generator)
+    else:
+        buf.actions.normal_(generator=generator)
+        buf.logp.normal_(-1.0 * buf.actions.shape[-1], 0.5, generator=generator)
+    buf.values.normal_(generator=generator)
+    buf.advantages.normal_(generator=generator)
+    buf.returns.copy_(buf.values + buf.advantages)
+    return buf
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    amp: str
+    channels_last: bool
+    micro_batch_size: int
+    seconds: list[float]
+    samples_per_second: float
+    peak_bytes: int
+    skipped_steps: int
+    ratio: float = 1.0
+
+
+def bench_row(cfg: Config, name: str, amp: str, channels_last: bool, micro: int, device: torch.device,
+              obs_space, action_space, buffer: RolloutBuffer, repeats: int) -> Row:
+    precision: Precision = resolve_precision(amp, device)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, channels_last=channels_last))
+    torch.manual_seed(cfg.train.seed)
+    policy = build_policy(cfg, obs_space, action_space, device)
+    policy.train()
+    optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps)
+    ppo_cfg = dataclasses.replace(cfg.ppo, num_epochs=1, target_kl=0.0)
+    generator = torch.Generator().manual_seed(cfg.train.seed)
+    micro_size = micro or cfg.ppo.minibatch_size
+
+    def run():
+        return update(policy, optimizer, buffer, ppo_cfg, micro_size, cfg.memory.infer_chunk_size,
+                      device, precision, generator)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    skipped = run().skipped_steps  # warm-up: also creates the Adam state, so peaks exclude it
+    seconds = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        skipped += run().skipped_steps
+        sync()
+        seconds.append(time.perf_counter() - start)
+    peak = peak_bytes(run, device)
+    return Row(name, amp, channels_last, micro_size, seconds,
+               buffer.size / statistics.median(seconds), peak, skipped)
+
+
+def state_bytes(cfg: Config, obs_space, action_space, device: torch.device) -> tuple[int, int]:
+    """Parameter bytes and Adam state bytes (2 floats per parameter + step counters)."""
+    policy = build_policy(cfg, obs_space, action_space, device)
+    params = sum(p.numel() * p.element_size() for p in policy.parameters())
+    return params, 2 * params
+
+
+def table(rows: list[Row]) -> str:
+    head = ("row", "amp", "layout", "micro", "samples/s", "vs first", "update peak", "median s")
+    lines = [[r.name, r.amp, "NHWC" if r.channels_last else "NCHW", str(r.micro_batch_size),
+              f"{r.samples_per_second:.0f}", f"{r.ratio:.2f}x", format_bytes(r.peak_bytes),
+              f"{statistics.median(r.seconds):.3f}"] for r in rows]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+
+    def fmt(cells: list[str] | tuple[str, ...]) -> str:  # text left, numbers right
+        return "  ".join(c.rjust(w) if i >= 3 else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+
+    out = [fmt(head), fmt(["-" * w for w in widths])]
+    out += [fmt(line) for line in lines]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    try:
+        cfg = load(ns.args)
+        micros = [int(m) for m in ns.micro.split(",") if m.strip()]
+        amps = [a.strip() for a in ns.amp.split(",") if a.strip()]
+        device = resolve_device(cfg.train.device)
+    except (UserError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if ns.repeats < 1 or any(m < 0 for m in micros):
+        print("error: --repeats must be >= 1 and --micro sizes >= 0", file=sys.stderr)
+        return 2
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+
+    obs_space, action_space = spaces(cfg)
+    buffer = random_buffer(cfg, obs_space, action_space, torch.Generator().manual_seed(cfg.train.seed))
+    params, adam = state_bytes(cfg, obs_space, action_space, device)
+    print(f"{cfg.env.id}: pixels {tuple(obs_space['pixels'].shape)}, rollout {buffer.size} "
+          f"({cfg.ppo.num_envs} envs x {cfg.ppo.num_steps} steps), minibatch {cfg.ppo.minibatch_size}, "
+          f"1 epoch; device {device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"parameters {format_bytes(params)}, Adam state {format_bytes(adam)}, "
+          f"buffer {format_bytes(buffer.nbytes())} (host); median of {ns.repeats} runs after 1 warm-up",
+          flush=True)
+
+    plan = [("baseline", "off", False, 0)]
+    plan += [(f"micro={m or 'mb'}", amp, cfg.train.channels_last, m) for amp in amps for m in micros]
+    rows: list[Row] = []
+    for name, amp, channels_last, micro in plan:
+        if micro > cfg.ppo.minibatch_size:
+            print(f"  skip {name} {amp}: micro-batch {micro} > minibatch {cfg.ppo.minibatch_size}")
+            continue
+        try:
+            row = bench_row(cfg, name, amp, channels_last, micro, device, obs_space, action_space,
+                            buffer, ns.repeats)
+        except ValueError as exc:  # e.g. fp16 on the CPU
+            print(f"  skip {name} {amp}: {exc}")
+            continue
+        row.ratio = row.samples_per_second / rows[0].samples_per_second if rows else 1.0
+        rows.append(row)
+        warn = f"  ({row.skipped_steps} non-finite steps skipped)" if row.skipped_steps else ""
+        print(f"  {name:<10} amp={amp:<4} {'NHWC' if channels_last else 'NCHW'}  "
+              f"{row.samples_per_second:8.0f} samples/s  peak {format_bytes(row.peak_bytes)}{warn}",
+              flush=True)
+    print()
+    print(table(rows))
+    if ns.json:
+        ns.json.write_text(json.dumps({
+            "env": cfg.env.id, "pixels": list(obs_space["pixels"].shape), "rollout": buffer.size,
+            "minibatch_size": cfg.ppo.minibatch_size, "device": str(device),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "param_bytes": params, "adam_bytes": adam,
+            "rows": [dataclasses.asdict(r) for r in rows],
+        }, indent=2))
+        print(f"wrote {ns.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

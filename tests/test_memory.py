@@ -169,3 +169,13 @@ def test_is_oom_rejects_other_errors():
 ])
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
+
+
+def test_largest_fitting_doubles_then_bisects():
+    from visppo.memory import largest_fitting
+
+    size, tried = largest_fitting(lambda n: n * 3 <= 100, limit=1000)
+    assert size == 33
+    assert tried[:7] == [1, 2, 4, 8, 16, 32, 64] and all(t in range(32, 65) for t in tried[7:])
+    assert largest_fitting(lambda n: True, limit=40) == (40, [1, 2, 4, 8, 16, 32, 40])
+    assert largest_fitting(lambda n: False, limit=40) == (0, [1])

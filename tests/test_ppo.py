@@ -71,7 +71,7 @@ def test_accumulated_gradient_equals_full_minibatch_gradient(micro, discrete, sh
     for name in full:
         torch.testing.assert_close(acc[name], full[name], rtol=1e-5, atol=1e-7, msg=name)
     for k in full_stats:  # minibatch statistics are over the whole minibatch, not per slice
-        assert acc_stats[k] == pytest.approx(full_stats[k], rel=1e-5, abs=1e-7)
+        assert float(acc_stats[k]) == pytest.approx(float(full_stats[k]), rel=1e-5, abs=1e-7)
 
 
 def test_ppo_loss_matches_hand_computation():
@@ -136,3 +136,66 @@ def test_resolve_precision():
 def test_fp16_on_cuda_uses_a_grad_scaler():
     p = resolve_precision("fp16", torch.device("cuda"))
     assert p.dtype == torch.float16 and p.scaler is not None
+
+
+class _OOMAbove:
+    """Wraps a policy: evaluate() raises an out-of-memory error for batches above ``limit``."""
+
+    def __init__(self, policy, limit):
+        self.policy, self.limit, self.calls = policy, limit, []
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def evaluate(self, obs, actions):
+        self.calls.append(len(actions))
+        if len(actions) > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.policy.evaluate(obs, actions)
+
+
+def test_oom_in_the_update_halves_the_micro_batch_and_gives_the_same_update():
+    from visppo.ppo import MemorySizes
+
+    policy, buf = _setup()
+    ref_policy, _ = _setup()
+    cfg = PPOConfig(num_epochs=1, minibatch_size=24)
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    ref_opt = torch.optim.Adam(ref_policy.parameters(), lr=1e-3)
+    sizes = MemorySizes(micro=24, chunk=24)
+    with pytest.warns(RuntimeWarning, match="out of memory"):
+        update(_OOMAbove(policy, 8), opt, buf, cfg, sizes, None, CPU, Precision(CPU),
+               torch.Generator().manual_seed(0))
+    assert sizes.micro == 6  # 24 -> 12 -> 6, kept for the rest of the run
+    update(ref_policy, ref_opt, buf, cfg, 24, 24, CPU, Precision(CPU), torch.Generator().manual_seed(0))
+    for a, b in zip(policy.parameters(), ref_policy.parameters()):  # Adam: rounding only
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_oom_in_a_no_grad_pass_halves_the_chunk_and_loses_nothing():
+    from visppo.ppo import MemorySizes
+
+    policy, buf = _setup()
+    flat = {k: buf.flat(v) for k, v in buf.obs.items()}
+    actions = buf.flat(buf.actions)
+    ref_v, ref_lp = score(policy, flat, actions, 24, CPU)
+    sizes = MemorySizes(micro=8, chunk=24)
+    with pytest.warns(RuntimeWarning):
+        v, lp = score(_OOMAbove(policy, 5), flat, actions, sizes, CPU)
+    assert sizes.chunk == 3
+    torch.testing.assert_close(v, ref_v, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-6)
+
+
+def test_other_errors_are_not_swallowed_as_oom():
+    from visppo.ppo import MemorySizes
+
+    policy, buf = _setup()
+
+    class Broken(_OOMAbove):
+        def evaluate(self, obs, actions):
+            raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        update(Broken(policy, 0), torch.optim.Adam(policy.parameters()), buf, PPOConfig(num_epochs=1),
+               MemorySizes(8, 8), None, CPU, Precision(CPU), torch.Generator().manual_seed(0))

@@ -53,19 +53,23 @@ class RolloutBuffer:
         obs_space: the vector env's single observation space (dict with "pixels" uint8).
         action_space: the single action space.
         pin_memory: allocate in pinned host memory (when training on CUDA).
+        device: where the buffer lives: host memory by default, or the train
+            device when ``memory.buffer_device=device`` and the probe says it fits.
     """
 
     def __init__(self, num_steps: int, num_envs: int, obs_space: gym.spaces.Dict,
-                 action_space: gym.Space, pin_memory: bool = False):
+                 action_space: gym.Space, pin_memory: bool = False,
+                 device: torch.device | str = "cpu"):
         self.T, self.N = num_steps, num_envs
-        self.pinned = pin_memory
         self._staging: list[dict[str, torch.Tensor]] = [{}, {}]  # two pinned sets, used in turn
         self._staging_ready: list = [None, None]  # CUDA events: the copy out of each set is done
         self._turn = 0
 
+        self.pinned = pin_memory and torch.device(device).type == "cpu"
+
         def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            t = torch.zeros((num_steps, num_envs, *shape), dtype=dtype)
-            return t.pin_memory() if pin_memory else t
+            t = torch.zeros((num_steps, num_envs, *shape), dtype=dtype, device=device)
+            return t.pin_memory() if self.pinned else t
 
         self.obs: dict[str, torch.Tensor] = {}
         for key, space in obs_space.spaces.items():
@@ -108,6 +112,7 @@ class RolloutBuffer:
         for name in ("actions", "logp", "values", "returns"):
             sources[name] = getattr(self, name)
         if not (self.pinned and device.type == "cuda"):
+            index = index.to(self.rewards.device)
             return {k: self.flat(v)[index].to(device) for k, v in sources.items()}
         turn, self._turn = self._turn, 1 - self._turn
         if self._staging_ready[turn] is not None:

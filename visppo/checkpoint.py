@@ -46,6 +46,21 @@ def atomic_save(obj: Any, path: Path) -> None:
         os.close(dir_fd)
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a text file (JSON, YAML) so that it is either complete or absent."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def load(path: str | Path) -> dict[str, Any]:
     """Load a checkpoint safely; anything but tensors and plain data is refused."""
     path = Path(path)

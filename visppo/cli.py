@@ -1,4 +1,4 @@
-"""``visppo train | bench | config``: argument parsing and error reporting, nothing else.
+"""``visppo train | probe | bench | config``: argument parsing and error reporting, nothing else.
 
 Bad input never shows a traceback: it prints one ``error:`` line that says what
 to change and exits with code 2.
@@ -53,6 +53,28 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_probe(ns: argparse.Namespace) -> int:
+    """Largest micro-batch and inference chunk of a config under a memory budget."""
+    from visppo.checkpoint import atomic_write_text
+    from visppo.config import to_yaml
+    from visppo.probe import format_table, plot, probe, write_json
+
+    path, overrides = _split(ns.args)
+    cfg = load_config(path, overrides)
+    device = ns.device or ("cuda" if cfg.train.device == "auto" else cfg.train.device)
+    result = probe(cfg, ns.budget or cfg.memory.budget, device, ns.mode, ns.margin)
+    print(format_table(result))
+    if ns.json:
+        write_json(result, Path(ns.json))
+    if ns.plot:
+        plot(result, Path(ns.plot))
+    if ns.write_config:
+        cfg.memory.micro_batch_size = result.micro_batch_size
+        cfg.memory.infer_chunk_size = result.infer_chunk_size
+        atomic_write_text(Path(ns.write_config), to_yaml(cfg))
+    return 0
+
+
 def cmd_config(ns: argparse.Namespace) -> int:
     """Print the resolved config, or the reference of every key."""
     from visppo.config import to_yaml
@@ -80,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (median reported)")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("probe", help="largest micro-batch / inference chunk that fit a memory budget")
+    p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
+    p.add_argument("--budget", help="memory budget, e.g. 8GiB (default: memory.budget)")
+    p.add_argument("--device", help="target device: cuda (default when train.device=auto) or cpu")
+    p.add_argument("--mode", choices=["fake", "real"],
+                   help="fake: no memory allocated (default when the device is absent); real: run it")
+    p.add_argument("--margin", type=float, default=0.10, help="fraction of the budget kept free (0.10)")
+    p.add_argument("--json", metavar="FILE", help="write the result as JSON")
+    p.add_argument("--plot", metavar="FILE", help="plot peak memory against size (PNG)")
+    p.add_argument("--write-config", metavar="FILE", help="write the config with the sizes found")
+    p.set_defaults(func=cmd_probe)
     p = sub.add_parser("config", help="print the resolved config (or --reference: every key)")
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
     p.add_argument("--reference", action="store_true", help="list every key with type, default and doc")

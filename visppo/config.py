@@ -16,7 +16,7 @@ import inspect
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -33,6 +33,12 @@ class ConfigError(UserError):
 
 class RunError(RuntimeError):
     """A run that cannot go on (an env worker died, training diverged); shown as one ``error:`` line, exit 1."""
+
+
+TORCHVISION_ENCODERS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
+"""model.encoder names built by torchvision (visppo.encoders knows how to cut each family)."""
+ENCODERS = ("nature", "impala", *TORCHVISION_ENCODERS)
+AUGMENTATIONS = ("none", "shift")
 
 
 @dataclass
@@ -62,11 +68,21 @@ class EnvConfig:
 @dataclass
 class ModelConfig:
     encoder: str = "nature"
-    """Image encoder: nature (Nature-DQN CNN)."""
+    """Image encoder: nature | impala (CNNs from scratch) | resnet18 | resnet34 | resnet50 | mobilenet_v3_small | efficientnet_b0 (torchvision)."""
     encoder_weights: str = "none"
-    """none, or pretrained weights for the encoder."""
+    """none | imagenet (torchvision's file in $TORCH_HOME/hub/checkpoints, never downloaded) | PATH (torchvision state dict or visppo checkpoint)."""
     freeze_encoder_updates: int = 0
-    """Keep the encoder frozen for this many optimizer steps, then train it."""
+    """Keep the encoder's trunk frozen (no gradient, no Adam step) for this many optimizer steps, then train it."""
+    encoder_lr_scale: float = 1.0
+    """The encoder trunk's learning rate is ppo.learning_rate times this (its own optimizer param group)."""
+    encoder_checkpointing: bool = False
+    """Recompute the trunk's activations block by block in backward (less memory, about 1/3 more compute); not for nature."""
+    resize: int = 0
+    """Resize frames to this side before a torchvision backbone (224 is ImageNet's); 0 keeps env.image_size."""
+    augment: str = "none"
+    """none | shift: random shifts of the update's micro-batches (never when acting), for the DrAC terms (ppo.drac_coef)."""
+    shift_pad: int = 4
+    """Largest shift in pixels for augment=shift (pad and random crop, as DrQ)."""
     feature_dim: int = 256
     """Width of the encoder's output features."""
     hidden_dim: int = 256
@@ -119,16 +135,20 @@ class PPOConfig:
     """Recompute values and advantages (chunked, no grad) at the start of every epoch."""
     adam_eps: float = 1e-5
     """Adam epsilon."""
+    drac_coef: float = 0.0
+    """DrAC weight of the policy-KL and value regularisers between original and augmented frames (needs model.augment); 0 is off."""
 
 
 @dataclass
 class MemoryConfig:
-    micro_batch_size: int = 0
-    """Samples per backward pass; gradients accumulate to the minibatch. 0: the whole minibatch. Never changes the maths."""
-    infer_chunk_size: int = 1024
-    """Samples per no-grad forward pass (values, logp_old). Never changes the maths."""
+    micro_batch_size: Union[int, str] = 0  # noqa: UP007  (OmegaConf needs typing.Union)
+    """Samples per backward pass, gradients accumulate to the minibatch; 0: whole minibatch; auto: probe memory.budget. Never changes the maths."""
+    infer_chunk_size: Union[int, str] = 1024  # noqa: UP007
+    """Samples per no-grad forward pass (values, logp_old); auto: probe memory.budget. Never changes the maths."""
     budget: str = "8GiB"
-    """Device memory budget for the probe (e.g. 8GiB, 6000MB)."""
+    """Device memory budget for the probe and for auto sizes (e.g. 8GiB, 6000MB)."""
+    buffer_device: str = "cpu"
+    """cpu | device: keep the rollout buffer in host memory, or on the train device (no copies; costs device memory)."""
 
 
 @dataclass
@@ -187,8 +207,10 @@ class Config:
 
     @property
     def micro_batch(self) -> int:
-        """The micro-batch size in effect (0 means the whole minibatch)."""
-        return self.memory.micro_batch_size or self.ppo.minibatch_size
+        """The micro-batch size in effect (0 means the whole minibatch); resolve ``auto`` first."""
+        if self.memory.micro_batch_size == "auto":
+            raise ValueError("memory.micro_batch_size=auto must be resolved by the probe first")
+        return int(self.memory.micro_batch_size) or self.ppo.minibatch_size
 
 
 # --------------------------------------------------------------------------- loading
@@ -305,14 +327,22 @@ def validate(cfg: Config) -> None:
         if value not in options:
             raise ConfigError(f"{key} must be one of {' | '.join(options)}, got '{value}'")
 
+    for key in ("memory.micro_batch_size", "memory.infer_chunk_size"):
+        value = getattr(cfg.memory, key.split(".")[1])
+        if isinstance(value, str) and value != "auto":
+            raise ConfigError(f"{key} must be a whole number or auto, got '{value}'")
     for key in ("ppo.num_envs", "ppo.num_steps", "ppo.minibatch_size", "ppo.num_epochs",
-                "ppo.total_steps", "ppo.learning_rate", "memory.infer_chunk_size",
+                "ppo.total_steps", "ppo.learning_rate",
                 "env.image_size", "env.frame_stack", "env.action_repeat", "model.feature_dim",
                 "model.hidden_dim", "model.state_hidden_dim", "run.log_every",
                 "run.checkpoint_every"):
         section, name = key.split(".")
         positive(key, getattr(getattr(cfg, section), name))
-    for key in ("memory.micro_batch_size", "ppo.entropy_coef", "ppo.target_kl", "ppo.max_grad_norm",
+    if cfg.memory.infer_chunk_size != "auto" and cfg.memory.infer_chunk_size <= 0:
+        raise ConfigError(f"memory.infer_chunk_size must be positive (or auto), got {cfg.memory.infer_chunk_size}")
+    if cfg.memory.micro_batch_size != "auto" and cfg.memory.micro_batch_size < 0:
+        raise ConfigError(f"memory.micro_batch_size must be >= 0 (or auto), got {cfg.memory.micro_batch_size}")
+    for key in ("ppo.entropy_coef", "ppo.target_kl", "ppo.max_grad_norm",
                 "env.max_episode_steps", "train.threads", "train.max_bad_steps", "model.freeze_encoder_updates",
                 "run.keep_checkpoints", "ppo.value_coef", "ppo.clip_coef"):
         section, name = key.split(".")
@@ -322,7 +352,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"ppo.minibatch_size ({cfg.ppo.minibatch_size}) is larger than the rollout "
             f"ppo.num_envs * ppo.num_steps = {cfg.rollout_size}: lower it or collect more steps")
-    if cfg.memory.micro_batch_size > cfg.ppo.minibatch_size:
+    if cfg.memory.micro_batch_size != "auto" and cfg.memory.micro_batch_size > cfg.ppo.minibatch_size:
         raise ConfigError(
             f"memory.micro_batch_size ({cfg.memory.micro_batch_size}) is larger than "
             f"ppo.minibatch_size ({cfg.ppo.minibatch_size}): lower it (0 means the whole minibatch)")
@@ -334,19 +364,56 @@ def validate(cfg: Config) -> None:
         cfg.train.amp = "off"
     choice("train.amp", cfg.train.amp, ("off", "bf16", "fp16", "auto"))
     choice("env.vector", cfg.env.vector, ("sync", "async", "auto"))
-    choice("model.encoder", cfg.model.encoder, ("nature",))
+    choice("memory.buffer_device", cfg.memory.buffer_device, ("cpu", "device"))
+    choice("model.encoder", cfg.model.encoder, ENCODERS)
+    _validate_finetuning(cfg)
     for key in ("train.device", "rollout.device"):
         value = getattr(getattr(cfg, key.split(".")[0]), "device")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
             raise ConfigError(f"{key} must be cpu, cuda, cuda:N or auto, got '{value}'")
-    if cfg.model.encoder_weights != "none":
-        raise ConfigError("model.encoder_weights: pretrained weights are not supported yet; use none")
     try:
         parse_bytes(cfg.memory.budget)
     except ValueError as exc:
         raise ConfigError(f"memory.budget: {exc}") from None
     if cfg.env.image_size < 36 and cfg.model.encoder == "nature":
         raise ConfigError(f"env.image_size must be >= 36 for the nature encoder, got {cfg.env.image_size}")
+
+
+def _validate_finetuning(cfg: Config) -> None:
+    """Encoder, weights, fine-tuning and augmentation keys. Never reads a weights file: that
+    happens when the policy is built, so recipes load on machines without the file."""
+    m = cfg.model
+    torchvision = m.encoder in TORCHVISION_ENCODERS
+    if not m.encoder_weights.strip():
+        raise ConfigError("model.encoder_weights must be none, imagenet or the path of a weights file, got ''")
+    if m.encoder_weights == "imagenet" and not torchvision:
+        raise ConfigError(f"model.encoder_weights=imagenet needs a torchvision backbone "
+                          f"({', '.join(TORCHVISION_ENCODERS)}), not model.encoder={m.encoder}")
+    if m.encoder_lr_scale < 0:
+        raise ConfigError(f"model.encoder_lr_scale must be >= 0, got {m.encoder_lr_scale}")
+    if m.resize < 0:
+        raise ConfigError(f"model.resize must be >= 0 (0: off), got {m.resize}")
+    if m.resize and not torchvision:
+        raise ConfigError(f"model.resize applies to torchvision backbones, not model.encoder={m.encoder}: "
+                          "set env.image_size instead")
+    if m.encoder_checkpointing and m.encoder == "nature":
+        raise ConfigError("model.encoder_checkpointing needs a backbone made of blocks (impala or a "
+                          "torchvision one), not nature: set it to false")
+    side = m.resize or cfg.env.image_size
+    if torchvision and side < 32:
+        raise ConfigError(f"model.encoder={m.encoder} needs frames of at least 32x32, got {side}: "
+                          "raise env.image_size or set model.resize")
+    if m.augment not in AUGMENTATIONS:
+        raise ConfigError(f"model.augment must be one of {' | '.join(AUGMENTATIONS)}, got '{m.augment}'")
+    if m.shift_pad <= 0:
+        raise ConfigError(f"model.shift_pad must be positive, got {m.shift_pad}")
+    if cfg.ppo.drac_coef < 0:
+        raise ConfigError(f"ppo.drac_coef must be >= 0, got {cfg.ppo.drac_coef}")
+    if m.augment != "none" and not cfg.ppo.drac_coef:
+        raise ConfigError(f"model.augment={m.augment} needs ppo.drac_coef > 0 (e.g. 0.1): the PPO loss always "
+                          "uses the original frames, augmented ones only enter the DrAC terms")
+    if cfg.ppo.drac_coef and m.augment == "none":
+        raise ConfigError("ppo.drac_coef > 0 needs an augmentation: set model.augment=shift")
 
 
 # --------------------------------------------------------------------------- documentation

@@ -5,19 +5,80 @@ the buffer and on the wire to the device); the conversion to float happens in
 ``forward``, on the device, one micro-batch at a time. No layer mixes samples
 of a batch (no BatchNorm in train mode), so splitting a minibatch into
 micro-batches never changes what the network computes.
+
+Every pixel encoder is a *trunk* (the conv stack whose weights may be
+pretrained; what ``model.freeze_encoder_updates`` freezes and
+``model.encoder_lr_scale`` scales) followed by a *projection* to
+``model.feature_dim`` (always trained at the full learning rate):
+
+- ``nature``: the Nature-DQN CNN, all stacked frames as input channels;
+- ``impala``: the IMPALA CNN (Espeholt et al. 2018), likewise;
+- a torchvision architecture (``resnet18``, ``mobilenet_v3_small``, ...):
+  built with ``weights=None``, classification head removed, ImageNet
+  normalisation, optional resize, and a stack of k RGB frames run frame by
+  frame through the 3-channel trunk (k folded into the batch), the k feature
+  vectors concatenated before the projection. The trunk stays in eval mode
+  (BatchNorm statistics frozen, no dropout or stochastic depth), so a sample's
+  features never depend on its batch.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from pathlib import Path
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from visppo.config import ENCODERS, TORCHVISION_ENCODERS, ConfigError
+
+TORCHVISION_BACKBONES = {name: "resnet" if name.startswith("resnet") else "features"
+                         for name in TORCHVISION_ENCODERS}
+"""torchvision architectures by name -> family: how the trunk is cut into blocks and where the head is
+(resnet: conv1..layer4 + fc; features: ``features`` + ``classifier``, as MobileNet/EfficientNet)."""
+_HEADS = {"resnet": ("fc.",), "features": ("classifier.",)}
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def _uint8_to_float(x: torch.Tensor) -> torch.Tensor:
     return x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
 
 
-class NatureCNN(nn.Module):
+def _channels_last_like(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Follow the model's layout (reorder uint8 frames: 4x cheaper than floats)."""
+    if weight.dim() == 4 and weight.is_contiguous(memory_format=torch.channels_last):
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
+def _run_stages(stages: list, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    """Run ``stages`` in turn; with ``use_checkpoint`` each one's activations are recomputed in backward."""
+    if use_checkpoint and torch.is_grad_enabled():
+        for stage in stages:
+            x = checkpoint(stage, x, use_reentrant=False)
+        return x
+    for stage in stages:
+        x = stage(x)
+    return x
+
+
+class PixelEncoder(nn.Module):
+    """Base: ``trunk`` (possibly pretrained) -> ``proj``; ``frozen`` runs the trunk without gradients."""
+
+    frozen: bool = False
+    """Set by :class:`FreezeSchedule`: the trunk runs under no_grad, so it gets no gradient at all."""
+
+    def trunk(self) -> nn.Module:
+        raise NotImplementedError
+
+    def _no_grad_if_frozen(self):
+        return torch.no_grad() if self.frozen and torch.is_grad_enabled() else nullcontext()
+
+
+class NatureCNN(PixelEncoder):
     """The Nature-DQN convolutional stack (Mnih et al. 2015) with a linear projection."""
 
     def __init__(self, in_channels: int, image_size: int, feature_dim: int):
@@ -33,31 +94,312 @@ class NatureCNN(nn.Module):
         self.proj = nn.Sequential(nn.Linear(flat, feature_dim), nn.ReLU())
         self.out_dim = feature_dim
 
+    def trunk(self) -> nn.Module:
+        return self.convs
+
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        if self.convs[0].weight.is_contiguous(memory_format=torch.channels_last):
-            # follow the model's layout; reorder the uint8 frames, 4x cheaper than floats
-            pixels = pixels.contiguous(memory_format=torch.channels_last)
-        return self.proj(self.convs(_uint8_to_float(pixels)))
+        pixels = _channels_last_like(pixels, self.convs[0].weight)
+        with self._no_grad_if_frozen():
+            x = self.convs(_uint8_to_float(pixels))
+        return self.proj(x)
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv1(F.relu(self.conv0(F.relu(x))))
+
+
+class ImpalaCNN(PixelEncoder):
+    """The IMPALA CNN (Espeholt et al. 2018): 3 stages of conv, max-pool, 2 residual blocks."""
+
+    def __init__(self, in_channels: int, image_size: int, feature_dim: int,
+                 channels: tuple[int, ...] = (16, 32, 32), checkpointing: bool = False):
+        super().__init__()
+        stages, c = [], in_channels
+        for out in channels:
+            stages.append(nn.Sequential(nn.Conv2d(c, out, 3, padding=1), nn.MaxPool2d(3, 2, padding=1),
+                                        _ResidualBlock(out), _ResidualBlock(out)))
+            c = out
+        self.stages = nn.Sequential(*stages)
+        self.checkpointing = checkpointing
+        with torch.no_grad():
+            flat = self.stages(torch.zeros(1, in_channels, image_size, image_size)).numel()
+        self.proj = nn.Sequential(nn.ReLU(), nn.Flatten(), nn.Linear(flat, feature_dim), nn.ReLU())
+        self.out_dim = feature_dim
+
+    def trunk(self) -> nn.Module:
+        return self.stages
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        pixels = _channels_last_like(pixels, self.stages[0][0].weight)
+        with self._no_grad_if_frozen():
+            x = _run_stages(list(self.stages), _uint8_to_float(pixels), self.checkpointing)
+        return self.proj(x)
+
+
+class TorchvisionBackbone(PixelEncoder):
+    """A torchvision classification network without its head, on stacks of RGB frames.
+
+    ``[B, 3k, H, W]`` uint8 -> k frames folded into the batch ``[B*k, 3, H, W]``
+    -> float, resize (``resize`` > 0), ImageNet normalisation -> the trunk ->
+    ``[B, k * trunk_dim]`` -> ``proj`` -> ``[B, feature_dim]``. ``self.net`` is
+    the torchvision model with its head deleted, so its state dict has
+    torchvision's keys (minus ``fc.*`` / ``classifier.*``).
+    """
+
+    def __init__(self, name: str, in_channels: int, feature_dim: int, resize: int = 0,
+                 checkpointing: bool = False):
+        super().__init__()
+        import torchvision
+
+        if name not in TORCHVISION_BACKBONES:
+            raise ValueError(f"unknown torchvision backbone {name!r}")
+        if in_channels % 3:
+            raise ConfigError(f"model.encoder={name} takes RGB frames (3 channels each), but the "
+                              f"observations have {in_channels} channels: use RGB frames or "
+                              "model.encoder=nature / impala")
+        self.name, self.family = name, TORCHVISION_BACKBONES[name]
+        self.frames = in_channels // 3
+        self.resize, self.checkpointing = resize, checkpointing
+        net = torchvision.models.get_model(name, weights=None)
+        head = net.fc if self.family == "resnet" else net.classifier
+        self.trunk_dim = next(m for m in head.modules() if isinstance(m, nn.Linear)).in_features
+        if self.family == "resnet":
+            del net.fc
+        else:
+            del net.classifier
+        self.net = net
+        self.net.eval()
+        mean, std = torch.tensor(IMAGENET_MEAN), torch.tensor(IMAGENET_STD)
+        # x / 255 normalised in one multiply-add; not saved in state dicts
+        self.register_buffer("scale", (1.0 / (255.0 * std)).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("shift", (mean / std).view(1, 3, 1, 1), persistent=False)
+        self.proj = nn.Sequential(nn.Linear(self.frames * self.trunk_dim, feature_dim), nn.ReLU())
+        self.out_dim = feature_dim
+
+    def trunk(self) -> nn.Module:
+        return self.net
+
+    def train(self, mode: bool = True) -> TorchvisionBackbone:
+        """The projection follows ``mode``; the trunk stays in eval mode (frozen BatchNorm statistics)."""
+        super().train(mode)
+        self.net.eval()
+        return self
+
+    def _stem(self, x: torch.Tensor) -> torch.Tensor:
+        net = self.net
+        return net.maxpool(net.relu(net.bn1(net.conv1(x))))
+
+    def _stages(self) -> list:
+        """The trunk cut into blocks, the unit of activation checkpointing."""
+        net = self.net
+        if self.family == "resnet":
+            return [self._stem, *net.layer1, *net.layer2, *net.layer3, *net.layer4]
+        return list(net.features)
+
+    def _first_conv(self) -> torch.Tensor:
+        return self.net.conv1.weight if self.family == "resnet" else next(self.net.features.parameters())
+
+    def frame_features(self, frames: torch.Tensor) -> torch.Tensor:
+        """``[N, 3, H, W]`` RGB frames (uint8 or float in [0, 1]) -> ``[N, trunk_dim]``."""
+        x = _uint8_to_float(_channels_last_like(frames, self._first_conv()))
+        if self.resize and x.shape[-2:] != (self.resize, self.resize):
+            x = F.interpolate(x, size=(self.resize, self.resize), mode="bilinear", align_corners=False,
+                              antialias=x.shape[-1] > self.resize)
+        x = x * self.scale - self.shift
+        x = _run_stages(self._stages(), x, self.checkpointing)
+        return torch.flatten(self.net.avgpool(x), 1)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = pixels.shape
+        with self._no_grad_if_frozen():
+            feats = self.frame_features(pixels.reshape(b * self.frames, 3, h, w))
+        return self.proj(feats.reshape(b, self.frames * self.trunk_dim))
+
+
+def build_pixel_encoder(name: str, pixel_shape: tuple[int, int, int], feature_dim: int,
+                        resize: int = 0, checkpointing: bool = False) -> PixelEncoder:
+    c, h, w = pixel_shape
+    if name == "nature":
+        return NatureCNN(c, h, feature_dim)
+    if name == "impala":
+        return ImpalaCNN(c, h, feature_dim, checkpointing=checkpointing)
+    if name in TORCHVISION_BACKBONES:
+        return TorchvisionBackbone(name, c, feature_dim, resize, checkpointing)
+    raise ValueError(f"unknown encoder {name!r}: use one of {', '.join(ENCODERS)}")
 
 
 class ObsEncoder(nn.Module):
     """Pixels through a CNN, optional proprioceptive state through an MLP, concatenated."""
 
     def __init__(self, pixel_shape: tuple[int, int, int], state_dim: int, feature_dim: int,
-                 state_hidden_dim: int, encoder: str = "nature"):
+                 state_hidden_dim: int, encoder: str = "nature", resize: int = 0,
+                 checkpointing: bool = False):
         super().__init__()
-        c, h, w = pixel_shape
-        if encoder != "nature":
-            raise ValueError(f"unknown encoder {encoder!r}")
-        self.pixels = NatureCNN(c, h, feature_dim)
+        self.pixels = build_pixel_encoder(encoder, tuple(pixel_shape), feature_dim, resize, checkpointing)
         self.state = None
         self.out_dim = feature_dim
         if state_dim:
             self.state = nn.Sequential(nn.Linear(state_dim, state_hidden_dim), nn.Tanh())
             self.out_dim += state_hidden_dim
 
+    def trunk_parameters(self) -> list[nn.Parameter]:
+        """The pixel trunk's parameters: what pretrained weights fill, freezing freezes, lr scaling scales."""
+        return list(self.pixels.trunk().parameters())
+
     def forward(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         feats = self.pixels(obs["pixels"])
         if self.state is not None:
             feats = torch.cat([feats, self.state(obs["state"].float()).to(feats.dtype)], dim=-1)
         return feats
+
+
+# --------------------------------------------------------------------------- fine-tuning controls
+
+
+def _optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer steps taken so far, read from the optimizer's state (so it survives a resume)."""
+    steps = [s["step"] for s in optimizer.state.values() if "step" in s]
+    return int(max(float(s) for s in steps)) if steps else 0
+
+
+class FreezeSchedule:
+    """``before_step`` hook: the encoders' trunks frozen for the first ``steps`` optimizer steps.
+
+    While frozen the trunk runs under no_grad: it gets no gradient (none is
+    computed, which also saves its backward), so it takes no part in the
+    gradient-norm clipping, and Adam skips it entirely (no moment update, no
+    weight decay, no step count): it does not move, and it starts with fresh
+    Adam state when it thaws. Call once per optimizer step, before it.
+    """
+
+    def __init__(self, encoders: list[ObsEncoder], steps: int, optimizer: torch.optim.Optimizer | None = None):
+        self.encoders, self.steps = encoders, steps
+        self.taken = _optimizer_steps(optimizer) if optimizer is not None else 0
+        self._set(self.taken < steps)
+
+    @property
+    def frozen(self) -> bool:
+        return self.taken < self.steps
+
+    def _set(self, frozen: bool) -> None:
+        for enc in self.encoders:
+            enc.pixels.frozen = frozen
+
+    def __call__(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        if self.frozen:  # this step is a frozen one: make sure no trunk gradient reaches it
+            for enc in self.encoders:
+                for p in enc.trunk_parameters():
+                    p.grad = None
+        self.taken += 1
+        self._set(self.frozen)  # for the next minibatch's forward
+
+
+# --------------------------------------------------------------------------- pretrained weights
+
+
+def imagenet_weights_file(name: str) -> tuple[Path, str]:
+    """Where torchvision keeps ``name``'s ImageNet weights (``TORCH_HOME``'s hub cache), and their URL."""
+    from torchvision.models import get_model_weights
+
+    weights = get_model_weights(name).DEFAULT
+    url = weights.url
+    return Path(torch.hub.get_dir()) / "checkpoints" / url.rsplit("/", 1)[-1], url
+
+
+def _abbreviate(items: list[str], limit: int = 6) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" ... (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _load_strict(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    expected = module.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(expected[k].shape)}" for k in expected
+              if k in state and isinstance(state[k], torch.Tensor) and state[k].shape != expected[k].shape]
+    if missing or unexpected or shapes:
+        parts = [f"{label}: {_abbreviate(items)}" for label, items in
+                 (("missing keys", missing), ("unexpected keys", unexpected),
+                  ("shape mismatch (file vs model)", shapes)) if items]
+        raise ConfigError(f"model.encoder_weights: {source} does not fit this encoder ({'; '.join(parts)}): "
+                          "give weights of the same architecture (model.encoder) and input shape")
+    with torch.no_grad():
+        module.load_state_dict(state, strict=True)
+
+
+def _read_weights(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"model.encoder_weights: {path} is not a file: give a torchvision state dict, a "
+                          "visppo checkpoint, imagenet or none")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
+        raise ConfigError(f"model.encoder_weights: cannot read {path} with torch.load(weights_only=True) "
+                          f"({str(exc).splitlines()[0][:120]}): give a state dict of tensors or a visppo "
+                          "checkpoint") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"model.encoder_weights: {path} holds a {type(obj).__name__}, not a state dict")
+    return obj
+
+
+def _policy_state(obj: dict) -> dict | None:
+    """The ActorCritic state dict in ``obj`` (a visppo checkpoint, or the state dict itself), else None."""
+    if isinstance(obj.get("model"), dict):
+        return obj["model"]
+    if any(k.startswith("encoder.pixels.") for k in obj):
+        return obj
+    return None
+
+
+def load_encoder_weights(encoders: list[ObsEncoder], spec: str, name: str) -> None:
+    """Fill the encoders' pixel networks with ``model.encoder_weights`` (``imagenet`` or a path).
+
+    A visppo checkpoint (or an ActorCritic state dict) gives its whole pixel
+    encoder (``encoder.pixels.*``: trunk and projection; a separate critic
+    encoder takes ``critic_encoder.pixels.*`` when the file has them). Any
+    other dict is a state dict of the trunk in torchvision's format (its
+    classification head, which visppo removes, is ignored); for nature/impala
+    it is the state dict of the pixel encoder. Anything that does not fit
+    exactly is refused with the keys listed. Never downloads.
+    """
+    if spec in ("none", ""):
+        return
+    if spec == "imagenet":
+        if name not in TORCHVISION_BACKBONES:
+            raise ConfigError(f"model.encoder_weights=imagenet needs a torchvision backbone, not {name}")
+        path, url = imagenet_weights_file(name)
+        if not path.is_file():
+            raise ConfigError(
+                f"model.encoder_weights=imagenet: the {name} ImageNet weights file {path} is missing and "
+                f"visppo never downloads: fetch {url} on a machine with network and put it at {path} "
+                f"(the folder is $TORCH_HOME/hub/checkpoints), or set model.encoder_weights to a local file")
+        states, source = [_read_weights(path)] * len(encoders), str(path)
+    else:
+        path = Path(spec).expanduser()
+        obj, source = _read_weights(path), str(path)
+        policy_state = _policy_state(obj)
+        if policy_state is not None:
+            def part(prefix: str) -> dict:
+                return {k[len(prefix):]: v for k, v in policy_state.items() if k.startswith(prefix)}
+            actor = part("encoder.pixels.")
+            if not actor:
+                raise ConfigError(f"model.encoder_weights: {path} is a visppo checkpoint without "
+                                  "encoder.pixels.* keys: give a checkpoint of a pixel policy")
+            states = [actor] + [part("critic_encoder.pixels.") or actor for _ in encoders[1:]]
+            for enc, state in zip(encoders, states, strict=True):
+                _load_strict(enc.pixels, state, source)
+            return
+        states = [obj] * len(encoders)
+    for enc, state in zip(encoders, states, strict=True):
+        if isinstance(enc.pixels, TorchvisionBackbone):
+            heads = _HEADS[enc.pixels.family]
+            trunk_state = {k: v for k, v in state.items() if not k.startswith(heads)}
+            _load_strict(enc.pixels.net, trunk_state, source)
+        else:
+            _load_strict(enc.pixels, state, source)

@@ -166,3 +166,34 @@ def format_bytes(n: int) -> str:
     else:
         text = f"{value:.0f}"
     return f"{sign}{text} {_UNITS[unit]}"
+
+
+def largest_fitting(fits: Callable[[int], bool], limit: int, start: int = 1) -> tuple[int, list[int]]:
+    """Largest size in ``[start, limit]`` with ``fits(size)``: double upward, then bisect.
+
+    Assumes memory grows with size (fits is monotone). Returns ``(size, tried)``;
+    size is 0 when even ``start`` does not fit. ``tried`` lists the sizes
+    measured, in order, so callers can report every candidate.
+    """
+    tried: list[int] = []
+
+    def check(n: int) -> bool:
+        tried.append(n)
+        return fits(n)
+
+    if not check(start):
+        return 0, tried
+    good, bad = start, None
+    while bad is None and good < limit:
+        nxt = min(good * 2, limit)
+        if check(nxt):
+            good = nxt
+        else:
+            bad = nxt
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        if check(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, tried

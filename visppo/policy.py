@@ -2,9 +2,10 @@
 
 Three entry points and nothing else: ``act`` (sample at collection time),
 ``evaluate`` (log-prob, entropy and value of stored actions, for the loss) and
-``value`` (for bootstrapping). Distributions are built in float32 even under
+``value`` (for bootstrapping); ``dist_value`` serves the DrAC terms of the
+update. Distributions are built in float32 even under
 autocast: log-probs feed a ratio ``exp(new - old)`` that low precision would
-distort.
+distort. ``augment`` (a RandomShift, or None) is used by the update only.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, Normal
 
+from visppo.augment import make_augmentation
 from visppo.config import ModelConfig
-from visppo.encoders import ObsEncoder
+from visppo.encoders import ObsEncoder, load_encoder_weights
 
 Obs = dict[str, torch.Tensor]
 
@@ -39,7 +41,8 @@ class ActorCritic(nn.Module):
         state_dim = int(np.prod(obs_space["state"].shape)) if "state" in obs_space.spaces else 0
 
         def encoder() -> ObsEncoder:
-            return ObsEncoder(pixel_shape, state_dim, cfg.feature_dim, cfg.state_hidden_dim, cfg.encoder)
+            return ObsEncoder(pixel_shape, state_dim, cfg.feature_dim, cfg.state_hidden_dim, cfg.encoder,
+                              resize=cfg.resize, checkpointing=cfg.encoder_checkpointing)
 
         self.encoder = encoder()
         self.critic_encoder = None if cfg.share_encoder else encoder()
@@ -54,12 +57,22 @@ class ActorCritic(nn.Module):
         feat = self.encoder.out_dim
         self.actor = _mlp(feat, cfg.hidden_dim, act_dim, 0.01)
         self.critic = _mlp(feat, cfg.hidden_dim, 1, 1.0)
+        self.encoder_name = cfg.encoder
+        self.augment = make_augmentation(cfg.augment, cfg.shift_pad)  # last: it draws its seed
+
+    def encoders(self) -> list[ObsEncoder]:
+        return [self.encoder] + ([self.critic_encoder] if self.critic_encoder is not None else [])
 
     def encoder_parameters(self) -> list[nn.Parameter]:
-        params = list(self.encoder.parameters())
-        if self.critic_encoder is not None:
-            params += list(self.critic_encoder.parameters())
-        return params
+        return [p for enc in self.encoders() for p in enc.parameters()]
+
+    def trunk_parameters(self) -> list[nn.Parameter]:
+        """The encoders' pixel trunks: what pretrained weights fill, freezing freezes, encoder_lr_scale scales."""
+        return [p for enc in self.encoders() for p in enc.trunk_parameters()]
+
+    def load_encoder_weights(self, spec: str) -> None:
+        """Load ``model.encoder_weights`` (none | imagenet | PATH) into the encoders; ConfigError if it does not fit."""
+        load_encoder_weights(self.encoders(), spec, self.encoder_name)
 
     def _features(self, obs: Obs) -> tuple[torch.Tensor, torch.Tensor]:
         actor_feats = self.encoder(obs)
@@ -75,8 +88,8 @@ class ActorCritic(nn.Module):
     def _dist(self, actor_feats: torch.Tensor) -> Normal | Categorical:
         out = self.actor(actor_feats).float()
         if self.discrete:
-            return Categorical(logits=out)
-        return Normal(out, self.log_std.float().exp().expand_as(out))
+            return Categorical(logits=out, validate_args=False)
+        return Normal(out, self.log_std.float().exp().expand_as(out), validate_args=False)
 
     def _log_prob(self, dist: Normal | Categorical, action: torch.Tensor) -> torch.Tensor:
         lp = dist.log_prob(action)
@@ -92,12 +105,18 @@ class ActorCritic(nn.Module):
             action = dist.sample()
         return action, self._log_prob(dist, action), self._value(critic_feats)
 
-    def evaluate(self, obs: Obs, action: torch.Tensor):
-        """Log-prob, entropy and value of given actions, with gradients, for the loss."""
+    def dist_value(self, obs: Obs) -> tuple[Normal | Categorical, torch.Tensor]:
+        """The action distribution and the value, with gradients."""
         actor_feats, critic_feats = self._features(obs)
-        dist = self._dist(actor_feats)
+        return self._dist(actor_feats), self._value(critic_feats)
+
+    def evaluate(self, obs: Obs, action: torch.Tensor, return_dist: bool = False):
+        """Log-prob, entropy and value of given actions, with gradients, for the loss (and the distribution)."""
+        dist, value = self.dist_value(obs)
         entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
-        return self._log_prob(dist, action), entropy, self._value(critic_feats)
+        if return_dist:
+            return self._log_prob(dist, action), entropy, value, dist
+        return self._log_prob(dist, action), entropy, value
 
     def value(self, obs: Obs) -> torch.Tensor:
         return self._value(self.encoder(obs) if self.critic_encoder is None else self.critic_encoder(obs))

@@ -16,6 +16,7 @@ Two memory knobs, neither of which changes the maths:
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from visppo.buffer import RolloutBuffer, compute_gae, micro_batches, minibatches, obs_of
 from visppo.config import PPOConfig
+from visppo.memory import is_oom
 from visppo.policy import ActorCritic, Obs
 
 # --------------------------------------------------------------------------- precision
@@ -68,6 +70,33 @@ def resolve_precision(amp: str, device: torch.device) -> Precision:
     return Precision(device, torch.bfloat16)
 
 
+# --------------------------------------------------------------------------- memory sizes
+
+
+@dataclass
+class MemorySizes:
+    """The two memory knobs in effect. An out-of-memory error halves the one concerned for
+    the rest of the run (the retried pass gives the same result: sizes never change the maths)."""
+
+    micro: int
+    chunk: int
+
+    def halve(self, which: str, exc: BaseException) -> None:
+        size = getattr(self, which)
+        if size <= 1 or not is_oom(exc):
+            raise exc
+        setattr(self, which, size // 2)
+        name = {"micro": "memory.micro_batch_size", "chunk": "memory.infer_chunk_size"}[which]
+        warnings.warn(f"out of memory at {name}={size}: retrying with {size // 2} for the rest of the run",
+                      RuntimeWarning, stacklevel=3)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _sizes(chunk: int | MemorySizes) -> MemorySizes:
+    return chunk if isinstance(chunk, MemorySizes) else MemorySizes(micro=0, chunk=int(chunk))
+
+
 # --------------------------------------------------------------------------- no-grad passes
 
 
@@ -77,34 +106,42 @@ def _slice(obs: Obs, start: int, stop: int, device: torch.device) -> Obs:
 
 
 @torch.inference_mode()
-def score(policy: ActorCritic, obs: Obs, actions: torch.Tensor | None, chunk_size: int,
+def score(policy: ActorCritic, obs: Obs, actions: torch.Tensor | None, chunk_size: int | MemorySizes,
           device: torch.device, precision: Precision | None = None
           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Values (and log-probs of ``actions`` if given) of flat ``obs``, ``chunk_size`` at a time.
 
     Inputs may live on the host; each chunk moves to ``device`` alone, so peak
     memory is one chunk's activations whatever the rollout size. Outputs are
-    float32 on the CPU.
+    float32 on the CPU. Given :class:`MemorySizes`, an out-of-memory error
+    halves ``sizes.chunk`` and retries the same chunk.
     """
+    sizes = _sizes(chunk_size)
     autocast = precision.autocast() if precision else nullcontext()
     n = next(iter(obs.values())).shape[0]
     values = torch.empty(n, dtype=torch.float32)
     logp = torch.empty(n, dtype=torch.float32) if actions is not None else None
-    for start in range(0, n, chunk_size):
-        stop = min(start + chunk_size, n)
-        chunk = _slice(obs, start, stop, device)
-        with autocast:
-            if actions is None:
-                values[start:stop] = policy.value(chunk).float().cpu()
-            else:
-                lp, _, v = policy.evaluate(chunk, actions[start:stop].to(device))
-                values[start:stop] = v.float().cpu()
-                logp[start:stop] = lp.float().cpu()  # type: ignore[index]
+    start = 0
+    while start < n:
+        stop = min(start + sizes.chunk, n)
+        try:
+            chunk = _slice(obs, start, stop, device)
+            with autocast:
+                if actions is None:
+                    values[start:stop] = policy.value(chunk).float().cpu()
+                else:
+                    lp, _, v = policy.evaluate(chunk, actions[start:stop].to(device))
+                    values[start:stop] = v.float().cpu()
+                    logp[start:stop] = lp.float().cpu()  # type: ignore[index]
+        except Exception as exc:  # noqa: BLE001  re-raised unless it is an OOM
+            sizes.halve("chunk", exc)
+            continue
+        start = stop
     return values, logp
 
 
 def score_rollout(policy: ActorCritic, buffer: RolloutBuffer, last_obs: Obs, cfg: PPOConfig,
-                  chunk_size: int, device: torch.device, precision: Precision) -> None:
+                  chunk_size: int | MemorySizes, device: torch.device, precision: Precision) -> None:
     """After collection: bootstrap value of the last observation (and ``logp_old`` again if
     ``cfg.recompute_logp_old``), chunked; then GAE into ``buffer.advantages`` / ``returns``."""
     last_value, _ = score(policy, last_obs, None, chunk_size, device, precision)
@@ -119,7 +156,7 @@ def score_rollout(policy: ActorCritic, buffer: RolloutBuffer, last_obs: Obs, cfg
 
 
 def recompute_advantages(policy: ActorCritic, buffer: RolloutBuffer, last_obs: Obs, cfg: PPOConfig,
-                         chunk_size: int, device: torch.device, precision: Precision) -> None:
+                         chunk_size: int | MemorySizes, device: torch.device, precision: Precision) -> None:
     """Refresh ``buffer.values``, advantages and returns with the current critic (chunked)."""
     values, _ = score(policy, {k: buffer.flat(v) for k, v in buffer.obs.items()}, None,
                       chunk_size, device, precision)
@@ -173,25 +210,48 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     """Accumulate the gradient of the minibatch ``mb`` into ``.grad``, one micro-batch at a time.
 
     ``advantages`` are the minibatch's (already normalised over the whole
-    minibatch). Returns the minibatch's mean loss terms, approx-KL and clip fraction.
+    minibatch). Returns the minibatch's mean loss terms, approx-KL and clip fraction
+    (0-d tensors, so that no host sync happens per minibatch unless asked).
+
+    With ``cfg.drac_coef`` and ``policy.augment``: the PPO loss stays on the
+    original frames; each micro-batch also runs on its augmented frames (on the
+    device) for the DrAC terms. The minibatch's augmentation draws are made
+    at once before the split, so micro-batching does not change them.
     """
+    from visppo.augment import drac_loss
+
     n = len(mb)
     sums: dict[str, torch.Tensor] = {}
     offset = 0
+    augment = getattr(policy, "augment", None) if cfg.drac_coef else None
+    if augment is not None:  # drawn ahead, committed at the end: an OOM retry draws the same shifts
+        draws, rng_after = augment.draw_ahead(n)
     for micro in micro_batches(mb, micro_batch_size):
         batch = buffer.gather(micro, device)
         micro_adv = advantages[offset:offset + len(micro)].to(device)
-        offset += len(micro)
+        obs = obs_of(batch)
         with precision.autocast():
-            new_logp, entropy, new_values = policy.evaluate(obs_of(batch), batch["actions"])
+            if augment is None:
+                new_logp, entropy, new_values = policy.evaluate(obs, batch["actions"])
+            else:
+                new_logp, entropy, new_values, dist = policy.evaluate(obs, batch["actions"], return_dist=True)
+                aug_dist, aug_values = policy.dist_value(
+                    augment.augment_obs(obs, draws[offset:offset + len(micro)]))
+        offset += len(micro)
         loss, stats = ppo_loss(new_logp, batch["logp"], micro_adv, new_values, batch["values"],
                                batch["returns"], entropy, cfg.clip_coef, cfg.clip_value,
                                cfg.value_coef, cfg.entropy_coef)
+        if augment is not None:
+            reg, reg_stats = drac_loss(dist, new_values, aug_dist, aug_values)
+            loss = loss + cfg.drac_coef * reg
+            stats.update(reg_stats)
         loss = loss.sum() / n  # the minibatch mean, split over micro-batches
         (precision.scaler.scale(loss) if precision.scaler else loss).backward()
         for k, v in stats.items():
             sums[k] = sums.get(k, 0.0) + v.sum().float()
-    return {k: float(v) / n for k, v in sums.items()}
+    if augment is not None:
+        augment.generator.set_state(rng_after)
+    return {k: v / n for k, v in sums.items()}  # tensors: no device sync here
 
 
 @dataclass
@@ -207,28 +267,40 @@ class UpdateResult:
 
 
 def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: RolloutBuffer,
-           cfg: PPOConfig, micro_batch_size: int, infer_chunk_size: int, device: torch.device,
-           precision: Precision, generator: torch.Generator, last_obs: Obs | None = None,
-           before_step=None) -> UpdateResult:
+           cfg: PPOConfig, micro_batch_size: int | MemorySizes, infer_chunk_size: int | None,
+           device: torch.device, precision: Precision, generator: torch.Generator,
+           last_obs: Obs | None = None, before_step=None) -> UpdateResult:
     """``cfg.num_epochs`` passes over the buffer in minibatches, each accumulated over micro-batches.
 
     ``before_step(optimizer)`` runs before every optimizer step (e.g. to freeze
     the encoder); ``last_obs`` is needed only with ``cfg.recompute_advantages``.
+    Given :class:`MemorySizes` (then ``infer_chunk_size`` is ignored), an
+    out-of-memory error clears the partial gradients, halves ``sizes.micro``
+    and retries the same minibatch.
     """
+    sizes = (micro_batch_size if isinstance(micro_batch_size, MemorySizes)
+             else MemorySizes(int(micro_batch_size), int(infer_chunk_size or 1024)))
     params = [p for p in policy.parameters() if p.requires_grad]
     totals: dict[str, float] = {}
     steps = skipped = trailing = 0
     early_stopped = False
     for epoch in range(cfg.num_epochs):
         if cfg.recompute_advantages and epoch > 0:
-            recompute_advantages(policy, buffer, last_obs, cfg, infer_chunk_size, device, precision)
+            recompute_advantages(policy, buffer, last_obs, cfg, sizes, device, precision)
         advantages = buffer.flat(buffer.advantages)
         for mb in minibatches(buffer.size, cfg.minibatch_size, generator):
             adv = advantages[mb]
             if cfg.norm_adv and len(mb) > 1:  # over the whole minibatch, never per micro-batch
                 adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-            optimizer.zero_grad(set_to_none=True)
-            mb_stats = minibatch_gradient(policy, buffer, mb, adv, cfg, micro_batch_size, device, precision)
+            while True:
+                optimizer.zero_grad(set_to_none=True)
+                try:
+                    mb_stats = {k: float(v) for k, v in minibatch_gradient(
+                        policy, buffer, mb, adv, cfg, sizes.micro, device, precision).items()}
+                    break
+                except Exception as exc:  # noqa: BLE001  re-raised unless it is an OOM
+                    optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
+                    sizes.halve("micro", exc)
             if cfg.target_kl and mb_stats["approx_kl"] > 1.5 * cfg.target_kl:
                 optimizer.zero_grad(set_to_none=True)
                 early_stopped = True  # SB3's rule: this minibatch's step is not taken

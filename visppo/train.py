@@ -15,10 +15,11 @@ import torch
 from visppo import checkpoint as ckpt_io
 from visppo.buffer import RolloutBuffer
 from visppo.config import Config, ConfigError, RunError, build_config, to_dict, to_yaml
+from visppo.encoders import FreezeSchedule
 from visppo.envs import check_env_id, make_vector_env
 from visppo.metrics import Logger, PhaseTimer
 from visppo.policy import ActorCritic
-from visppo.ppo import resolve_precision, score_rollout, update
+from visppo.ppo import MemorySizes, resolve_precision, score_rollout, update
 from visppo.rollout import ActingCopy, RolloutState, collect, to_torch
 
 
@@ -63,11 +64,28 @@ def check_run_dir(run_dir: Path) -> None:
         raise ConfigError(f"run.dir {run_dir} cannot be created: {parent} is not a writable directory")
 
 
-def build_policy(cfg: Config, obs_space, action_space, device: torch.device) -> ActorCritic:
-    policy = ActorCritic(obs_space, action_space, cfg.model).to(device)
+def build_policy(cfg: Config, obs_space, action_space, device: torch.device,
+                 load_weights: bool = True) -> ActorCritic:
+    """The policy on ``device``, its encoders filled with ``model.encoder_weights`` (unless
+    ``load_weights`` is false: when a checkpoint's state dict is loaded over it anyway)."""
+    policy = ActorCritic(obs_space, action_space, cfg.model)
+    if load_weights:
+        policy.load_encoder_weights(cfg.model.encoder_weights)
+    policy = policy.to(device)
     if cfg.train.channels_last:
         policy = policy.to(memory_format=torch.channels_last)
     return policy
+
+
+def build_optimizer(cfg: Config, policy: ActorCritic) -> torch.optim.Adam:
+    """Adam; with ``model.encoder_lr_scale`` != 1 the encoder trunks get their own param group at
+    ``lr * scale``. Every group keeps its ``initial_lr``, which annealing scales, so the ratio holds."""
+    lr, scale = cfg.ppo.learning_rate, cfg.model.encoder_lr_scale
+    trunk = {id(p) for p in policy.trunk_parameters()} if scale != 1.0 else set()
+    groups = [{"params": [p for p in policy.parameters() if id(p) not in trunk], "lr": lr, "initial_lr": lr}]
+    if trunk:
+        groups.append({"params": policy.trunk_parameters(), "lr": lr * scale, "initial_lr": lr * scale})
+    return torch.optim.Adam(groups, lr=lr, eps=cfg.ppo.adam_eps)
 
 
 def train(cfg: Config, resume: dict | None = None) -> Path:
@@ -95,11 +113,13 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
     envs = make_vector_env(cfg)
     try:
         policy = build_policy(cfg, envs.single_observation_space, envs.single_action_space, device)
-        optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps)
+        optimizer = build_optimizer(cfg, policy)
         generator = torch.Generator().manual_seed(cfg.train.seed)  # minibatch order, apart from acting
         first_iteration, global_step = 1, 0
         if resume is not None:
             first_iteration, global_step = restore(resume, policy, optimizer, precision, generator, envs)
+        freeze = (FreezeSchedule(policy.encoders(), cfg.model.freeze_encoder_updates, optimizer)
+                  if cfg.model.freeze_encoder_updates else None)  # before_step: trunks frozen for K steps
         acting = ActingCopy(policy, rollout_device) if rollout_device != device else None
         buffer = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, envs.single_observation_space,
                                envs.single_action_space, pin_memory=device.type == "cuda")
@@ -107,7 +127,7 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
         if resume is not None:
             ckpt_io.set_rng_state(resume["rng"])  # last: building the model drew from the RNGs
         num_iterations = math.ceil(cfg.ppo.total_steps / cfg.rollout_size)
-        micro, chunk = cfg.micro_batch, cfg.memory.infer_chunk_size
+        sizes = memory_sizes(cfg, device, resume)
 
         run_dir.mkdir(parents=True, exist_ok=True)  # only now: bad input leaves nothing behind
         if resume is None:
@@ -117,13 +137,14 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
         logger.message(f"visppo: {'resuming' if resume else 'run directory'} {run_dir}  (train on {device}, "
                        f"act on {rollout_device}, amp {precision.dtype or 'off'}, {num_iterations} "
                        f"iterations of {cfg.rollout_size} steps, minibatch {cfg.ppo.minibatch_size}, "
-                       f"micro-batch {micro})")
+                       f"micro-batch {sizes.micro}, inference chunk {sizes.chunk})")
         timer, recent, bad_in_a_row = PhaseTimer(), [], 0
         for iteration in range(first_iteration, num_iterations + 1):
             start = time.perf_counter()
             if cfg.ppo.anneal_lr:
                 for group in optimizer.param_groups:
-                    group["lr"] = cfg.ppo.learning_rate * (1.0 - (iteration - 1) / num_iterations)
+                    base = group.get("initial_lr", cfg.ppo.learning_rate)  # per group: keeps encoder_lr_scale
+                    group["lr"] = base * (1.0 - (iteration - 1) / num_iterations)
 
             policy.eval()
             with timer("collect"):
@@ -133,11 +154,11 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
                                    rollout_device, rollout_precision.autocast())
             with timer("score"):
                 last_obs = to_torch(state.obs, torch.device("cpu"))
-                score_rollout(policy, buffer, last_obs, cfg.ppo, chunk, device, precision)
+                score_rollout(policy, buffer, last_obs, cfg.ppo, sizes, device, precision)
             policy.train()
             with timer("update"):
-                result = update(policy, optimizer, buffer, cfg.ppo, micro, chunk, device, precision,
-                                generator, last_obs=last_obs)
+                result = update(policy, optimizer, buffer, cfg.ppo, sizes, None, device, precision,
+                                generator, last_obs=last_obs, before_step=freeze)
             global_step += cfg.rollout_size
 
             recent = (recent + episodes)[-100:]
@@ -155,11 +176,28 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
                                "ppo.learning_rate or try train.amp=off")
             if iteration % cfg.run.checkpoint_every == 0 or iteration == num_iterations:
                 save_checkpoint(run_dir, cfg, policy, optimizer, precision, generator, envs,
-                                iteration, global_step)
+                                iteration, global_step, sizes)
         logger.close()
     finally:
         envs.close()
     return run_dir
+
+
+def memory_sizes(cfg: Config, device: torch.device, resume: dict | None) -> MemorySizes:
+    """The micro-batch and chunk sizes to start with: a resumed run keeps the ones it had
+    (an OOM may have halved them); ``auto`` asks the probe for the largest under ``memory.budget``."""
+    if resume is not None and resume.get("memory_sizes"):
+        return MemorySizes(**resume["memory_sizes"])
+    micro, chunk = cfg.memory.micro_batch_size, cfg.memory.infer_chunk_size
+    if "auto" in (micro, chunk):
+        from visppo.probe import probe
+
+        found = probe(cfg, cfg.memory.budget, str(device), mode="fake")
+        micro = found.micro_batch_size if micro == "auto" else micro
+        chunk = found.infer_chunk_size if chunk == "auto" else chunk
+        print(f"visppo: memory.budget {cfg.memory.budget} on {device}: micro-batch {micro}, "
+              f"inference chunk {chunk} (probe peak {found.peak_bytes / 2**30:.2f} GiB)")
+    return MemorySizes(int(micro) or cfg.ppo.minibatch_size, int(chunk))
 
 
 def iteration_scalars(iteration: int, episodes: list[dict], recent: list[dict],
@@ -194,7 +232,8 @@ RESUMABLE = ("ppo.total_steps", "run.progress", "run.tensorboard", "run.log_ever
 
 
 def save_checkpoint(run_dir: Path, cfg: Config, policy: ActorCritic, optimizer: torch.optim.Optimizer,
-                    precision, generator: torch.Generator, envs, iteration: int, global_step: int) -> Path:
+                    precision, generator: torch.Generator, envs, iteration: int, global_step: int,
+                    sizes: MemorySizes | None = None) -> Path:
     """Write ``checkpoints/iter_N.pt`` and ``latest.pt`` atomically; keep the last few numbered ones."""
     folder = run_dir / "checkpoints"
     state = {
@@ -207,6 +246,7 @@ def save_checkpoint(run_dir: Path, cfg: Config, policy: ActorCritic, optimizer: 
         "rng": ckpt_io.rng_state(),
         "minibatch_generator": generator.get_state(),
         "env_episodes": [int(e) for e in envs.get_attr("episode")],
+        "memory_sizes": {"micro": sizes.micro, "chunk": sizes.chunk} if sizes else {},
     }
     numbered = folder / f"iter_{iteration:06d}.pt"
     for stale in folder.glob(".*.tmp"):  # left by a save that a kill interrupted

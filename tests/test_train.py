@@ -33,7 +33,8 @@ def test_memory_knobs_do_not_change_the_trained_parameters(tmp_path):
 
 
 def test_run_directory_layout(tmp_path):
-    cfg = load_config(None, tiny_overrides(tmp_path, **{"run.tensorboard": "true", "run.checkpoint_every": 2}))
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"run.tensorboard": "true", "run.checkpoint_every": 2,
+                                                        "run.eval_every": 2, "run.eval_episodes": 1}))
     run_dir = train(cfg)
     assert (run_dir / "config.yaml").is_file()
     assert list(run_dir.glob("events.out.tfevents.*"))
@@ -43,6 +44,8 @@ def test_run_directory_layout(tmp_path):
     assert {"model", "optimizer", "config", "global_step", "iteration", "rng"} <= ckpt.keys()
     assert ckpt["global_step"] == 128 and ckpt["config"]["ppo"]["num_envs"] == 2
     assert (run_dir / "checkpoints" / "iter_000002.pt").is_file()
+    assert [p.name for p in (run_dir / "videos").iterdir()] == ["iter_000002.mp4"]
+    assert rows[-1]["eval/return"] and not rows[0]["eval/return"]
 
 
 @pytest.mark.timeout(300)

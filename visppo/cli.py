@@ -1,4 +1,4 @@
-"""``visppo train | probe | bench | config``: argument parsing and error reporting, nothing else.
+"""``visppo train | eval | plot | probe | bench | config``: argument parsing and error reporting, nothing else.
 
 Bad input never shows a traceback: it prints one ``error:`` line that says what
 to change and exits with code 2.
@@ -53,6 +53,28 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(ns: argparse.Namespace) -> int:
+    """Episodes of a trained policy: mean/std return, success rate, optional video and JSON."""
+    from visppo.evaluate import evaluate, format_result
+
+    if ns.episodes < 1:
+        raise ConfigError(f"--episodes must be at least 1, got {ns.episodes}")
+    result = evaluate(ns.source, ns.episodes, deterministic=ns.deterministic,
+                      video=Path(ns.video) if ns.video else None,
+                      json_path=Path(ns.json) if ns.json else None, seed=ns.seed)
+    print(format_result(result))
+    return 0
+
+
+def cmd_plot(ns: argparse.Namespace) -> int:
+    """Learning curves of one or more runs, overlaid."""
+    from visppo.plot import plot_runs
+
+    out = plot_runs([Path(d) for d in ns.runs], Path(ns.out), smooth=ns.smooth)
+    print(f"visppo: wrote {out}")
+    return 0
+
+
 def cmd_probe(ns: argparse.Namespace) -> int:
     """Largest micro-batch and inference chunk of a config under a memory budget."""
     from visppo.checkpoint import atomic_write_text
@@ -102,6 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (median reported)")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("eval", help="evaluate a run or checkpoint: visppo eval RUN_DIR_OR_CKPT")
+    p.add_argument("source", metavar="RUN_DIR_OR_CKPT")
+    p.add_argument("--episodes", type=int, default=10, help="episodes to run (10)")
+    p.add_argument("--deterministic", action="store_true", help="act with the mean / most likely action")
+    p.add_argument("--video", metavar="FILE", help="write a video (.mp4, or .gif)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first episode (0)")
+    p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("plot", help="learning curves: visppo plot RUN_DIR... [--out FILE]")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", default="curves.png", help="output image (curves.png)")
+    p.add_argument("--smooth", type=int, default=10, help="moving-average window in log rows (10)")
+    p.set_defaults(func=cmd_plot)
     p = sub.add_parser("probe", help="largest micro-batch / inference chunk that fit a memory budget")
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
     p.add_argument("--budget", help="memory budget, e.g. 8GiB (default: memory.budget)")

@@ -185,6 +185,12 @@ class RunConfig:
     """Save a checkpoint every this many iterations (and at the end)."""
     keep_checkpoints: int = 3
     """Numbered checkpoints to keep besides latest.pt."""
+    eval_every: int = 0
+    """Evaluate every this many iterations (and at the end); 0 disables."""
+    eval_episodes: int = 5
+    """Episodes per periodic evaluation (deterministic actions)."""
+    eval_video: bool = True
+    """Record each periodic evaluation to videos/iter_N.mp4 in the run directory."""
     progress: bool = True
     """Show a progress bar."""
     tensorboard: bool = True
@@ -334,7 +340,7 @@ def validate(cfg: Config) -> None:
     for key in ("ppo.num_envs", "ppo.num_steps", "ppo.minibatch_size", "ppo.num_epochs",
                 "ppo.total_steps", "ppo.learning_rate",
                 "env.image_size", "env.frame_stack", "env.action_repeat", "model.feature_dim",
-                "model.hidden_dim", "model.state_hidden_dim", "run.log_every",
+                "model.hidden_dim", "model.state_hidden_dim", "run.log_every", "run.eval_episodes",
                 "run.checkpoint_every"):
         section, name = key.split(".")
         positive(key, getattr(getattr(cfg, section), name))
@@ -344,7 +350,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"memory.micro_batch_size must be >= 0 (or auto), got {cfg.memory.micro_batch_size}")
     for key in ("ppo.entropy_coef", "ppo.target_kl", "ppo.max_grad_norm",
                 "env.max_episode_steps", "train.threads", "train.max_bad_steps", "model.freeze_encoder_updates",
-                "run.keep_checkpoints", "ppo.value_coef", "ppo.clip_coef"):
+                "run.keep_checkpoints", "ppo.value_coef", "ppo.clip_coef", "run.eval_every"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(getattr(cfg, section), name)}")

@@ -164,7 +164,11 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
             recent = (recent + episodes)[-100:]
             scalars = iteration_scalars(iteration, episodes, recent, optimizer, result, timer.reset(),
                                         cfg.rollout_size / (time.perf_counter() - start))
-            if iteration % cfg.run.log_every == 0 or iteration == num_iterations:
+            last = iteration == num_iterations
+            if cfg.run.eval_every and (iteration % cfg.run.eval_every == 0 or last):
+                with timer("eval"):
+                    scalars.update(periodic_eval(policy, cfg, run_dir, iteration, device))
+            if iteration % cfg.run.log_every == 0 or last:
                 logger.log(global_step, scalars)
             logger.progress(cfg.rollout_size, progress_line(scalars))
 
@@ -198,6 +202,22 @@ def memory_sizes(cfg: Config, device: torch.device, resume: dict | None) -> Memo
         print(f"visppo: memory.budget {cfg.memory.budget} on {device}: micro-batch {micro}, "
               f"inference chunk {chunk} (probe peak {found.peak_bytes / 2**30:.2f} GiB)")
     return MemorySizes(int(micro) or cfg.ppo.minibatch_size, int(chunk))
+
+
+def periodic_eval(policy: ActorCritic, cfg: Config, run_dir: Path, iteration: int,
+                  device: torch.device) -> dict[str, float]:
+    """Deterministic evaluation episodes (and a video in ``videos/``) during training."""
+    from visppo.evaluate import run_episodes
+
+    video = run_dir / "videos" / f"iter_{iteration:06d}.mp4" if cfg.run.eval_video else None
+    if video is not None:
+        video.parent.mkdir(exist_ok=True)
+    policy.eval()
+    result = run_episodes(policy, cfg, cfg.run.eval_episodes, deterministic=True,
+                          seed=10**6 + iteration, video=video, device=device)
+    success = result["success_rate"]
+    return {"eval/return": result["mean_return"],
+            "eval/success": float("nan") if success is None else success}
 
 
 def iteration_scalars(iteration: int, episodes: list[dict], recent: list[dict],

@@ -165,8 +165,9 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
             scalars = iteration_scalars(iteration, episodes, recent, optimizer, result, timer.reset(),
                                         cfg.rollout_size / (time.perf_counter() - start))
             last = iteration == num_iterations
-            if cfg.run.eval_every and (iteration % cfg.run.eval_every == 0 or last):
-                with timer("eval"):
+            if cfg.run.eval_every:  # the columns exist from the first row: the CSV header is fixed then
+                scalars.update({"eval/return": float("nan"), "eval/success": float("nan")})
+                if iteration % cfg.run.eval_every == 0 or last:
                     scalars.update(periodic_eval(policy, cfg, run_dir, iteration, device))
             if iteration % cfg.run.log_every == 0 or last:
                 logger.log(global_step, scalars)

@@ -1,6 +1,6 @@
 import torch
-
 from conftest import tiny_overrides
+
 from visppo.bench import bench_devices, format_devices
 from visppo.config import load_config
 

@@ -2,8 +2,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import tiny_overrides
+
 from visppo.cli import main
 
 

@@ -1,6 +1,14 @@
 import pytest
 
-from visppo.config import Config, ConfigError, field_docs, from_dict, load_config, parse_bytes, to_dict
+from visppo.config import (
+    Config,
+    ConfigError,
+    field_docs,
+    from_dict,
+    load_config,
+    parse_bytes,
+    to_dict,
+)
 
 
 def test_defaults_validate_and_public_keys_exist():

@@ -2,8 +2,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_overrides
+
 from visppo.cli import main
 from visppo.config import load_config
 from visppo.probe import Prober, probe

@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
+from conftest import tiny_overrides
 
 import visppo.train as train_module
-from conftest import tiny_overrides
 from visppo.checkpoint import load
 from visppo.config import load_config
 from visppo.train import load_for_resume, train

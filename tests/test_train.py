@@ -2,8 +2,8 @@ import csv
 
 import pytest
 import torch
-
 from conftest import tiny_overrides
+
 from visppo.config import load_config
 from visppo.train import train
 

@@ -374,7 +374,7 @@ def validate(cfg: Config) -> None:
     choice("model.encoder", cfg.model.encoder, ENCODERS)
     _validate_finetuning(cfg)
     for key in ("train.device", "rollout.device"):
-        value = getattr(getattr(cfg, key.split(".")[0]), "device")
+        value = getattr(cfg, key.split(".")[0]).device
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
             raise ConfigError(f"{key} must be cpu, cuda, cuda:N or auto, got '{value}'")
     try:

@@ -31,3 +31,103 @@ def test_samples_are_independent_of_their_batch():
     full = enc(obs)
     part = enc({k: v[2:4] for k, v in obs.items()})
     torch.testing.assert_close(part, full[2:4], rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- backbones (issue 6)
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torchvision  # noqa: E402
+
+from visppo.encoders import ENCODERS, ImpalaCNN, TorchvisionBackbone  # noqa: E402
+
+MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+
+
+def _frames(n, c=3, side=32, seed=0):
+    return torch.randint(0, 256, (n, c, side, side), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", ENCODERS)
+def test_every_encoder_builds_and_gives_feature_dim(name):
+    side = 48 if name == "nature" else 32
+    enc = ObsEncoder((6, side, side), 0, 16, 8, encoder=name)
+    out = enc({"pixels": _frames(2, 6, side)})
+    assert out.shape == (2, 16) and enc.out_dim == 16
+    assert len(enc.trunk_parameters()) > 0
+
+
+def test_torchvision_head_is_removed():
+    enc = TorchvisionBackbone("resnet18", 3, 16)
+    assert not hasattr(enc.net, "fc") and enc.trunk_dim == 512
+    assert not any(k.startswith("fc.") for k in enc.net.state_dict())
+    mob = TorchvisionBackbone("mobilenet_v3_small", 3, 16)
+    assert not hasattr(mob.net, "classifier") and mob.trunk_dim == 576
+
+
+def test_imagenet_normalisation_and_resize():
+    torch.manual_seed(0)
+    enc = TorchvisionBackbone("resnet18", 3, 16, resize=48)
+    x = _frames(2)
+    ref_in = F.interpolate(x.float() / 255.0, size=(48, 48), mode="bilinear", align_corners=False)
+    ref_in = (ref_in - MEAN) / STD
+    net = enc.net
+    ref = torch.flatten(net.avgpool(net.layer4(net.layer3(net.layer2(net.layer1(
+        net.maxpool(net.relu(net.bn1(net.conv1(ref_in))))))))), 1)
+    torch.testing.assert_close(enc.frame_features(x), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_stacked_frames_go_through_the_backbone_one_by_one():
+    """A k=3 stack: the trunk runs on each RGB frame; features concatenated, then projected."""
+    torch.manual_seed(0)
+    enc = TorchvisionBackbone("resnet18", 9, 16)
+    assert enc.net.conv1.in_channels == 3  # the first layer is not changed to take 9 channels
+    x = _frames(2, 9)
+    per_frame = torch.cat([enc.frame_features(x[:, 3 * i:3 * i + 3]) for i in range(3)], dim=1)
+    torch.testing.assert_close(enc(x), enc.proj(per_frame), rtol=1e-5, atol=1e-6)
+    with pytest.raises(Exception, match="RGB"):
+        TorchvisionBackbone("resnet18", 4, 16)
+
+
+def test_batchnorm_stays_in_eval_mode_and_samples_are_independent():
+    torch.manual_seed(0)
+    enc = ObsEncoder((3, 32, 32), 0, 16, 8, encoder="resnet18").train()
+    bns = [m for m in enc.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert bns and not any(m.training for m in bns) and enc.pixels.proj.training
+    before = [m.running_mean.clone() for m in bns]
+    obs = {"pixels": _frames(5)}
+    full = enc(obs)
+    part = enc({"pixels": obs["pixels"][1:3]})
+    torch.testing.assert_close(part, full[1:3], rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(b, m.running_mean) for b, m in zip(before, bns, strict=True))
+
+
+def test_torchvision_channels_last_gives_the_same_features():
+    torch.manual_seed(0)
+    enc = TorchvisionBackbone("resnet18", 6, 16)
+    x = _frames(2, 6)
+    ref = enc(x)
+    torch.testing.assert_close(enc.to(memory_format=torch.channels_last)(x), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["impala", "resnet18", "mobilenet_v3_small"])
+def test_checkpointing_gives_the_same_gradients(name):
+    torch.manual_seed(0)
+    enc = ObsEncoder((6, 32, 32), 0, 16, 8, encoder=name)
+    obs = {"pixels": _frames(3, 6)}
+    grads = []
+    for ckpt in (False, True):
+        enc.pixels.checkpointing = ckpt
+        enc.zero_grad(set_to_none=True)
+        enc(obs).pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in enc.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_impala_residual_layout():
+    enc = ImpalaCNN(3, 64, 32)
+    assert len(enc.stages) == 3 and enc(_frames(2, 3, 64)).shape == (2, 32)
+    assert isinstance(torchvision.models.get_model("resnet18", weights=None), torch.nn.Module)

@@ -52,11 +52,11 @@ def test_run_directory_layout(tmp_path):
 def test_learns_the_synthetic_task(tmp_path):
     """PPO from pixels on DotReach: the return rises clearly above a random policy's."""
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "run.progress=false",
-                             "run.tensorboard=false", "ppo.total_steps=20000", "train.device=cpu"])
+                             "run.tensorboard=false", "ppo.total_steps=30000", "train.device=cpu"])
     rows = list(csv.DictReader((train(cfg) / "metrics.csv").open()))
-    first = sum(float(r["episode_return"]) for r in rows[:3]) / 3
-    last = sum(float(r["episode_return"]) for r in rows[-5:]) / 5
-    assert last > first + 1.5, (first, last)
+    untrained = float(rows[0]["episode_return"])  # the first iteration's episodes: the initial policy
+    last = sum(float(r["episode_return"]) for r in rows[-5:]) / 5  # rolling mean of 100 episodes
+    assert last > untrained + 1.5, (untrained, last)
 
 
 def test_split_devices_act_with_a_copy_synced_once_per_iteration(tmp_path, monkeypatch):

@@ -105,7 +105,7 @@ def bench_row(cfg: Config, name: str, amp: str, channels_last: bool, micro: int,
     precision: Precision = resolve_precision(amp, device)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, channels_last=channels_last))
     torch.manual_seed(cfg.train.seed)
-    policy = build_policy(cfg, obs_space, action_space, device)
+    policy = build_policy(cfg, obs_space, action_space, device, load_weights=False)
     policy.train()
     optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps)
     ppo_cfg = dataclasses.replace(cfg.ppo, num_epochs=1, target_kl=0.0)
@@ -135,7 +135,7 @@ def bench_row(cfg: Config, name: str, amp: str, channels_last: bool, micro: int,
 
 def state_bytes(cfg: Config, obs_space, action_space, device: torch.device) -> tuple[int, int]:
     """Parameter bytes and Adam state bytes (2 floats per parameter + step counters)."""
-    policy = build_policy(cfg, obs_space, action_space, device)
+    policy = build_policy(cfg, obs_space, action_space, device, load_weights=False)
     params = sum(p.numel() * p.element_size() for p in policy.parameters())
     return params, 2 * params
 

@@ -62,7 +62,7 @@ def bench_devices(cfg: Config, repeats: int = 5) -> dict:
     for device in devices:
         amp = cfg.train.amp if not (cfg.train.amp == "fp16" and device.type == "cpu") else "off"
         precision = resolve_precision(amp, device)
-        policy: ActorCritic = build_policy(cfg, obs_space, action_space, device)
+        policy: ActorCritic = build_policy(cfg, obs_space, action_space, device, load_weights=False)
         act_obs = random_obs(obs_space, cfg.ppo.num_envs)
         micro = cfg.micro_batch
         upd_obs = {k: v.to(device) for k, v in random_obs(obs_space, micro).items()}

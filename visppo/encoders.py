@@ -176,8 +176,8 @@ class TorchvisionBackbone(PixelEncoder):
         self.net = net
         self.net.eval()
         mean, std = torch.tensor(IMAGENET_MEAN), torch.tensor(IMAGENET_STD)
-        # x / 255 normalised in one multiply-add; not saved in state dicts
-        self.register_buffer("scale", (1.0 / (255.0 * std)).view(1, 3, 1, 1), persistent=False)
+        # (x - mean) / std as one multiply-add; not saved in state dicts
+        self.register_buffer("scale", (1.0 / std).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("shift", (mean / std).view(1, 3, 1, 1), persistent=False)
         self.proj = nn.Sequential(nn.Linear(self.frames * self.trunk_dim, feature_dim), nn.ReLU())
         self.out_dim = feature_dim

@@ -2,8 +2,8 @@
 
 Three entry points and nothing else: ``act`` (sample at collection time),
 ``evaluate`` (log-prob, entropy and value of stored actions, for the loss) and
-``value`` (for bootstrapping); ``dist_value`` serves the DrAC terms of the
-update. Distributions are built in float32 even under
+``value`` (for bootstrapping); ``evaluate_augmented`` is ``evaluate`` plus what
+the DrAC terms of the update need. Distributions are built in float32 even under
 autocast: log-probs feed a ratio ``exp(new - old)`` that low precision would
 distort. ``augment`` (a RandomShift, or None) is used by the update only.
 """
@@ -86,7 +86,9 @@ class ActorCritic(nn.Module):
             return self.critic[-1](hidden.float()).squeeze(-1)
 
     def _dist(self, actor_feats: torch.Tensor) -> Normal | Categorical:
-        out = self.actor(actor_feats).float()
+        return self._dist_of(self.actor(actor_feats).float())
+
+    def _dist_of(self, out: torch.Tensor) -> Normal | Categorical:
         if self.discrete:
             return Categorical(logits=out, validate_args=False)
         return Normal(out, self.log_std.float().exp().expand_as(out), validate_args=False)
@@ -105,18 +107,26 @@ class ActorCritic(nn.Module):
             action = dist.sample()
         return action, self._log_prob(dist, action), self._value(critic_feats)
 
-    def dist_value(self, obs: Obs) -> tuple[Normal | Categorical, torch.Tensor]:
-        """The action distribution and the value, with gradients."""
+    def evaluate(self, obs: Obs, action: torch.Tensor):
+        """Log-prob, entropy and value of given actions, with gradients, for the loss."""
         actor_feats, critic_feats = self._features(obs)
-        return self._dist(actor_feats), self._value(critic_feats)
-
-    def evaluate(self, obs: Obs, action: torch.Tensor, return_dist: bool = False):
-        """Log-prob, entropy and value of given actions, with gradients, for the loss (and the distribution)."""
-        dist, value = self.dist_value(obs)
+        dist = self._dist(actor_feats)
         entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
-        if return_dist:
-            return self._log_prob(dist, action), entropy, value, dist
-        return self._log_prob(dist, action), entropy, value
+        return self._log_prob(dist, action), entropy, self._value(critic_feats)
+
+    def evaluate_augmented(self, obs: Obs, aug_obs: Obs, action: torch.Tensor):
+        """``evaluate`` on ``obs``, plus for the DrAC terms: its distribution, and the distribution and
+        value on ``aug_obs``. One pass of every module over both stacked (no layer mixes samples, so it
+        equals two passes; and memory trackers see each module once).
+
+        Returns ``(logp, entropy, value, dist, aug_dist, aug_value)``.
+        """
+        n = action.shape[0]
+        actor_feats, critic_feats = self._features({k: torch.cat([obs[k], aug_obs[k]]) for k in obs})
+        out, values = self.actor(actor_feats).float(), self._value(critic_feats)
+        dist, aug_dist = self._dist_of(out[:n]), self._dist_of(out[n:])
+        entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
+        return self._log_prob(dist, action), entropy, values[:n], dist, aug_dist, values[n:]
 
     def value(self, obs: Obs) -> torch.Tensor:
         return self._value(self.encoder(obs) if self.critic_encoder is None else self.critic_encoder(obs))

@@ -215,7 +215,7 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
 
     With ``cfg.drac_coef`` and ``policy.augment``: the PPO loss stays on the
     original frames; each micro-batch also runs on its augmented frames (on the
-    device) for the DrAC terms. The minibatch's augmentation draws are made
+    device, in the same forward pass) for the DrAC terms. The minibatch's augmentation draws are made
     at once before the split, so micro-batching does not change them.
     """
     from visppo.augment import drac_loss
@@ -234,9 +234,9 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
             if augment is None:
                 new_logp, entropy, new_values = policy.evaluate(obs, batch["actions"])
             else:
-                new_logp, entropy, new_values, dist = policy.evaluate(obs, batch["actions"], return_dist=True)
-                aug_dist, aug_values = policy.dist_value(
-                    augment.augment_obs(obs, draws[offset:offset + len(micro)]))
+                aug_obs = augment.augment_obs(obs, draws[offset:offset + len(micro)])
+                new_logp, entropy, new_values, dist, aug_dist, aug_values = policy.evaluate_augmented(
+                    obs, aug_obs, batch["actions"])
         offset += len(micro)
         loss, stats = ppo_loss(new_logp, batch["logp"], micro_adv, new_values, batch["values"],
                                batch["returns"], entropy, cfg.clip_coef, cfg.clip_value,

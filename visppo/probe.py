@@ -104,7 +104,8 @@ class Prober:
         self.cfg, self.device, self.mode = cfg, device, mode
         self.run_device = device if mode == "real" else torch.device("cpu")
         self.dtype = target_dtype(cfg.train.amp, device)
-        self.policy: ActorCritic = build_policy(cfg, self.obs_space, self.action_space, self.run_device)
+        self.policy: ActorCritic = build_policy(cfg, self.obs_space, self.action_space, self.run_device,
+                                                load_weights=False)  # memory does not depend on values
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
         param_bytes = sum(p.numel() * p.element_size() for p in self.policy.parameters())
         grad_bytes = sum(p.numel() * p.element_size() for p in trainable)

@@ -112,7 +112,8 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
 
     envs = make_vector_env(cfg)
     try:
-        policy = build_policy(cfg, envs.single_observation_space, envs.single_action_space, device)
+        policy = build_policy(cfg, envs.single_observation_space, envs.single_action_space, device,
+                              load_weights=resume is None)  # a resumed run takes the checkpoint's
         optimizer = build_optimizer(cfg, policy)
         generator = torch.Generator().manual_seed(cfg.train.seed)  # minibatch order, apart from acting
         first_iteration, global_step = 1, 0

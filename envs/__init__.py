@@ -8,6 +8,10 @@
 
 from gymnasium.envs.registration import register, registry
 
+from visppo_envs._gl import ensure_headless_gl
+
+ensure_headless_gl()  # before anything imports mujoco: EGL when there is no display
+
 _TASKS = {
     "visppo/DotReach-v0": ("visppo_envs.dot:DotReachEnv", 50, {}),
     "visppo/DotReachDiscrete-v0": ("visppo_envs.dot:DotReachEnv", 50, {"discrete": True}),

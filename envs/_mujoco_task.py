@@ -2,10 +2,14 @@
 
 A task subclasses :class:`MujocoTask`, names its MJCF file in ``assets/`` and
 implements four small hooks (``_reset_task``, ``_reward``, ``_info`` and
-``_state``). Everything that is the same for every task lives here: loading
+``_state``; ``_after_step`` is optional). Everything that is the same for every task lives here: loading
 the model from the installed package, stepping the physics, one lazily created
 ``mujoco.Renderer`` per image size, and assembling ``"pixels"`` or
 ``"pixels_state"`` observations.
+
+A task with a ``"pixels_state"`` mode also sets ``STATE_HIGH``, the bound of
+each state entry: the state space is ``Box(-STATE_HIGH, STATE_HIGH)`` and the
+state is clipped into it (the bounds are chosen not to bind in practice).
 
 Each MJCF file must define two cameras: ``policy`` (the fixed camera the
 policy sees, framing the workspace closely) and ``view`` (a wider third-person
@@ -55,7 +59,7 @@ class MujocoTask(gym.Env):
         image_size: side of the square policy image, in pixels.
         obs_mode: ``"pixels"`` (observation is the uint8 ``(H, W, 3)`` frame) or
             ``"pixels_state"`` (``{"pixels": frame, "state": float32 vector}``;
-            see each task's ``_state`` for the vector's layout).
+            each task module's docstring gives the vector's layout).
         render_mode: ``"rgb_array"`` (``render()`` returns the policy's frame)
             or ``None``.
         frame_skip: physics steps per env step; ``None`` uses the task's
@@ -65,9 +69,10 @@ class MujocoTask(gym.Env):
     truncates them, so every episode has the same length.
     """
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"], "render_fps": 25}
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 25}  # fps set per instance
     ASSET: ClassVar[str]
     DEFAULT_FRAME_SKIP: ClassVar[int] = 4
+    STATE_HIGH: ClassVar[tuple[float, ...]]
 
     def __init__(
         self,
@@ -85,7 +90,7 @@ class MujocoTask(gym.Env):
         self.image_size = int(image_size)
         self.obs_mode = obs_mode
         self.render_mode = render_mode
-        self.frame_skip = int(frame_skip or self.DEFAULT_FRAME_SKIP)
+        self.frame_skip = self.DEFAULT_FRAME_SKIP if frame_skip is None else int(frame_skip)
         if self.frame_skip < 1:
             raise ValueError(f"frame_skip must be >= 1, got {frame_skip}")
 
@@ -103,9 +108,11 @@ class MujocoTask(gym.Env):
         if obs_mode == "pixels":
             self.observation_space: spaces.Space = pixels
         else:
+            high = np.asarray(self.STATE_HIGH, dtype=np.float32)
             mujoco.mj_forward(self.model, self.data)
-            dim = self._state().shape[0]
-            state = spaces.Box(-np.inf, np.inf, (dim,), np.float32)
+            if self._state().shape != high.shape:
+                raise ValueError(f"{type(self).__name__}.STATE_HIGH does not match _state()")
+            state = spaces.Box(-high, high, dtype=np.float32)
             self.observation_space = spaces.Dict({"pixels": pixels, "state": state})
 
         self._renderers: dict[tuple[int, int], mujoco.Renderer] = {}
@@ -131,6 +138,10 @@ class MujocoTask(gym.Env):
         """Low-dimensional state for ``obs_mode="pixels_state"``."""
         raise NotImplementedError
 
+    def _apply_action(self, action: np.ndarray) -> None:
+        """Turn an action (already clipped to [-1, 1]) into ``data.ctrl``."""
+        self.data.ctrl[:] = action
+
     # ------------------------------------------------------------- gym API
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -143,7 +154,7 @@ class MujocoTask(gym.Env):
 
     def step(self, action: np.ndarray) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         action = np.asarray(action, dtype=np.float64).reshape(self.action_space.shape)
-        self.data.ctrl[:] = np.clip(action, -1.0, 1.0)
+        self._apply_action(np.clip(action, -1.0, 1.0))
         mujoco.mj_step(self.model, self.data, nstep=self.frame_skip)
         # mj_step leaves positions/kinematics one substep stale; refresh them so
         # the reward and the rendered frame describe the same, current state.
@@ -183,7 +194,9 @@ class MujocoTask(gym.Env):
         self._frame = self._render_camera(POLICY_CAMERA, self.image_size, self.image_size)
         if self.obs_mode == "pixels":
             return self._frame
-        return {"pixels": self._frame, "state": self._state().astype(np.float32)}
+        high = self.observation_space["state"].high
+        state = np.clip(self._state().astype(np.float32), -high, high)
+        return {"pixels": self._frame, "state": state}
 
     def _body_xy(self, name: str) -> np.ndarray:
         """World x, y of a body's frame (after the last ``mj_forward``/``mj_step``)."""
@@ -195,3 +208,86 @@ def sample_annulus(rng: np.random.Generator, r_min: float, r_max: float) -> np.n
     radius = np.sqrt(rng.uniform(r_min**2, r_max**2))
     angle = rng.uniform(-np.pi, np.pi)
     return np.array([radius * np.cos(angle), radius * np.sin(angle)])
+
+
+ARM_CONTROLS = ("cartesian", "joint")
+
+
+class PlanarArmTask(MujocoTask):
+    """A task for the two-link planar arm of ``reach.xml`` / ``push.xml``.
+
+    The MJCF must have hinges ``shoulder`` and ``elbow`` driven by two motors
+    with ``ctrlrange="-1 1"``, and a body ``fingertip``. The joints are heavily
+    damped, so a motor command sets a joint velocity (``gear / damping`` rad/s
+    at 1) and the arm stops when the command does.
+
+    Args:
+        control: ``"cartesian"`` (default): the action is the fingertip's
+            velocity in the table plane, x then y (right and up in the policy
+            image), ``TIP_SPEED`` m/s at 1; a damped least-squares inverse of
+            the arm's Jacobian turns it into joint commands, as an end-effector
+            controller on a real arm would. The same action moves the fingertip
+            the same way in every arm pose, which makes the pixels-to-action
+            map much easier to learn. ``"joint"``: the action drives the
+            shoulder and elbow motors directly.
+
+    ``state`` (``obs_mode="pixels_state"``), float32[4]: shoulder angle
+    (wrapped to [-pi, pi)), elbow angle, shoulder and elbow velocities (rad/s).
+    """
+
+    TIP_SPEED = 0.5  # m/s of the fingertip at |action| = 1 (cartesian control)
+    DLS_DAMPING = 1e-3  # squared damping of the Jacobian inverse, m^2: tames singular poses
+    STATE_HIGH = (np.pi, np.pi, 10.0, 10.0)  # the damped joints top out near 3 rad/s
+
+    def __init__(
+        self,
+        image_size: int = 84,
+        obs_mode: str = "pixels",
+        render_mode: str | None = "rgb_array",
+        frame_skip: int | None = None,
+        control: str = "cartesian",
+    ) -> None:
+        if control not in ARM_CONTROLS:
+            raise ValueError(f"control must be one of {ARM_CONTROLS}, got {control!r}")
+        self.control = control
+        super().__init__(image_size, obs_mode, render_mode, frame_skip)
+
+    @property
+    def _arm_qpos(self) -> slice:
+        start = int(self.model.joint("shoulder").qposadr[0])
+        return slice(start, start + 2)
+
+    @property
+    def _arm_dofs(self) -> slice:
+        start = int(self.model.joint("shoulder").dofadr[0])
+        return slice(start, start + 2)
+
+    def _sample_arm_pose(self) -> None:
+        """A random arm pose (any shoulder angle, elbow well inside its limits)."""
+        self.data.qpos[self._arm_qpos] = [
+            self.np_random.uniform(-np.pi, np.pi),
+            self.np_random.uniform(-2.5, 2.5),
+        ]
+
+    def _apply_action(self, action: np.ndarray) -> None:
+        if self.control == "joint":
+            self.data.ctrl[:] = action
+            return
+        jacp = np.zeros((3, self.model.nv))
+        mujoco.mj_jacBody(self.model, self.data, jacp, None, self.model.body("fingertip").id)
+        jac = jacp[:2, self._arm_dofs]
+        tip_velocity = self.TIP_SPEED * action
+        joint_velocity = jac.T @ np.linalg.solve(
+            jac @ jac.T + self.DLS_DAMPING * np.eye(2), tip_velocity
+        )
+        ctrl = joint_velocity / self._joint_speed()
+        self.data.ctrl[:] = ctrl / max(1.0, float(np.abs(ctrl).max()))  # keep the direction
+
+    def _joint_speed(self) -> np.ndarray:
+        """Joint velocity (rad/s) a motor command of 1 settles at: gear / damping."""
+        return self.model.actuator_gear[:, 0] / self.model.dof_damping[self._arm_dofs]
+
+    def _state(self) -> np.ndarray:
+        qpos = self.data.qpos[self._arm_qpos].copy()
+        qpos[0] = wrap_angle(qpos[0])
+        return np.concatenate([qpos, self.data.qvel[self._arm_dofs]])

@@ -1,17 +1,22 @@
 """Reach: move a planar two-link arm's fingertip onto a red target disc.
 
-Seen from straight above (``assets/reach.xml``). The joints are heavily
-damped, so an action works like a joint-velocity command: a random policy
-wanders over the workspace and a policy can stop on the target without
-having to brake. Built to be learnt by pixel PPO in a few hundred thousand
-steps: big target, thick links, targets always within reach, dense reward.
+Seen from straight above (``assets/reach.xml``). Built to be learnt by pixel
+PPO in a few hundred thousand steps: a big target and thick links on a plain
+floor, targets always within reach, a dense reward, and by default fingertip
+velocity actions (see :class:`~visppo_envs._mujoco_task.PlanarArmTask`), so
+"move toward the red disc" is the same action in every arm pose.
 
-- Action: 2 motor commands in [-1, 1] (shoulder, elbow).
-- ``state`` (``obs_mode="pixels_state"``), float32[4]: shoulder angle
-  (wrapped to [-pi, pi)), elbow angle, shoulder and elbow velocities (rad/s).
+- Action, float32[2] in [-1, 1]: fingertip velocity x, y (``control=
+  "cartesian"``, 0.5 m/s at 1) or shoulder and elbow motor commands
+  (``control="joint"``).
+- ``state`` (``obs_mode="pixels_state"``), float32[4]: shoulder angle (wrapped
+  to [-pi, pi)), elbow angle, shoulder and elbow velocities (rad/s).
   Proprioception only: the target is seen in the pixels, not given.
-- Reward per step: ``-distance / 0.24`` (0.24 m = the arm's reach) plus 1 while
-  the fingertip centre is inside the target disc (radius 0.04 m).
+- Reward per step: ``20 x`` the decrease in fingertip-target distance (metres)
+  plus 0.1 while the fingertip centre is inside the target disc (radius
+  0.04 m). The progress term rewards each action for what it did, which needs
+  no accurate critic to learn from (unlike ``-distance``), and sums to 20x the
+  distance covered, about 3 per episode; staying on the target adds up to ~9.
 - ``info``: ``is_success`` (fingertip inside the target now), ``distance``.
   Episodes are not ended on success; the time limit (100 steps = 4 s) ends them.
 """
@@ -27,44 +32,43 @@ ensure_headless_gl()  # before mujoco is imported
 import mujoco  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ._mujoco_task import MujocoTask, sample_annulus, wrap_angle  # noqa: E402
+from ._mujoco_task import PlanarArmTask, sample_annulus  # noqa: E402
 
 
-class ReachEnv(MujocoTask):
+class ReachEnv(PlanarArmTask):
     """Planar two-link arm reaching a random target, observed from above."""
 
     ASSET = "reach.xml"
     DEFAULT_FRAME_SKIP = 4  # 4 x 10 ms = 0.04 s per step
-    ARM_REACH = 0.24  # fingertip centre at full extension, metres
     TARGET_RADIUS = 0.04  # must match the target geom in reach.xml
-    # Target centres: inside the reach, clear of the base; the elbow's +-2.8 rad
-    # limit lets the fingertip come within 0.04 m of the shoulder.
+    PROGRESS_SCALE = 20.0  # reward per metre the fingertip gets closer
+    INSIDE_BONUS = 0.1  # reward per step on the target
+    # Target centres: inside the 0.24 m reach, clear of the base (the elbow's
+    # +-2.8 rad limit keeps the fingertip at least 0.04 m from the shoulder).
     TARGET_RING = (0.08, 0.21)
 
+    _last_distance = 0.0  # fingertip-target distance after the previous step
+
     def _reset_task(self) -> None:
-        rng = self.np_random
-        self.data.qpos[:] = [rng.uniform(-np.pi, np.pi), rng.uniform(-2.5, 2.5)]
+        self._sample_arm_pose()
         mujoco.mj_kinematics(self.model, self.data)
         tip = self._body_xy("fingertip")
         # Never start on (or right next to) the target: success must be earned.
         while True:
-            target = sample_annulus(rng, *self.TARGET_RING)
+            target = sample_annulus(self.np_random, *self.TARGET_RING)
             if np.linalg.norm(target - tip) > 3 * self.TARGET_RADIUS:
                 break
         self.data.mocap_pos[0, :2] = target
+        self._last_distance = float(np.linalg.norm(target - tip))
 
     def _distance(self) -> float:
         return float(np.linalg.norm(self._body_xy("fingertip") - self.data.mocap_pos[0, :2]))
 
     def _reward(self) -> float:
         distance = self._distance()
-        return -distance / self.ARM_REACH + float(distance < self.TARGET_RADIUS)
+        progress, self._last_distance = self._last_distance - distance, distance
+        return self.PROGRESS_SCALE * progress + self.INSIDE_BONUS * (distance < self.TARGET_RADIUS)
 
     def _info(self) -> dict[str, Any]:
         distance = self._distance()
         return {"is_success": bool(distance < self.TARGET_RADIUS), "distance": distance}
-
-    def _state(self) -> np.ndarray:
-        qpos = self.data.qpos.copy()
-        qpos[0] = wrap_angle(qpos[0])
-        return np.concatenate([qpos, self.data.qvel])

@@ -13,6 +13,7 @@ torch.set_num_threads(2)
 def tiny_overrides(tmp_path=None, **extra) -> list[str]:
     """A DotReach run small enough for a unit test: 2 envs x 32 steps, 48x48 frames."""
     base = {
+        "env.id": "visppo/DotReach-v0",
         "ppo.num_envs": 2, "ppo.num_steps": 32, "ppo.minibatch_size": 32, "ppo.num_epochs": 2,
         "ppo.total_steps": 128, "model.feature_dim": 32, "model.hidden_dim": 32, "env.image_size": 48,
         "train.amp": "off", "train.device": "cpu", "run.progress": False,

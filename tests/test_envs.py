@@ -4,6 +4,8 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 from visppo_envs.dot import DotReachEnv
 
+DOT = "env.id=visppo/DotReach-v0"
+
 from visppo.config import ConfigError, load_config
 from visppo.envs import PixelDict, make_env, make_vector_env
 
@@ -26,7 +28,7 @@ def test_dot_reach_rewards_moving_onto_the_target():
 
 
 def test_vector_env_gives_stacked_uint8_chw_frames_and_state():
-    cfg = load_config(None, ["ppo.num_envs=3", "env.frame_stack=4", "env.state=true", "env.image_size=48"])
+    cfg = load_config(None, [DOT, "ppo.num_envs=3", "env.frame_stack=4", "env.state=true", "env.image_size=48"])
     envs = make_vector_env(cfg)
     obs, _ = envs.reset(seed=0)
     assert obs["pixels"].shape == (3, 12, 48, 48) and obs["pixels"].dtype == np.uint8
@@ -45,8 +47,8 @@ def test_frame_stack_holds_consecutive_frames_newest_last():
 
 
 def test_action_repeat_sums_rewards():
-    cfg = load_config(None, ["env.action_repeat=3"])
-    env, ref = make_env(cfg), make_env(load_config())
+    cfg = load_config(None, [DOT, "env.action_repeat=3"])
+    env, ref = make_env(cfg), make_env(load_config(None, [DOT]))
     env.reset(seed=1)
     ref.reset(seed=1)
     a = np.array([0.3, -0.2], np.float32)
@@ -68,7 +70,7 @@ def test_unknown_env_id_is_refused():
 
 
 def test_episodes_are_seeded_from_the_base_seed_and_their_index():
-    cfg = load_config(None, ["env.max_episode_steps=2"])
+    cfg = load_config(None, [DOT, "env.max_episode_steps=2"])
     a, b = make_env(cfg), make_env(cfg)
     first, _ = a.reset(seed=7)
     a.step(a.action_space.sample())

@@ -100,7 +100,7 @@ def test_a_killed_env_worker_ends_the_rollout_with_a_clear_error():
     from visppo.config import RunError, load_config
     from visppo.envs import make_vector_env
 
-    cfg = load_config(None, ["ppo.num_envs=2", "env.vector=async"])
+    cfg = load_config(None, ["env.id=visppo/DotReach-v0", "ppo.num_envs=2", "env.vector=async"])
     envs = make_vector_env(cfg)
     try:
         buf = RolloutBuffer(4, 2, envs.single_observation_space, envs.single_action_space)

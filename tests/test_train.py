@@ -48,10 +48,11 @@ def test_run_directory_layout(tmp_path):
     assert rows[0]["eval/return"] == "nan" and rows[-1]["eval/return"] != "nan"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_learns_the_synthetic_task(tmp_path):
     """PPO from pixels on DotReach: the return rises clearly above a random policy's."""
-    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "run.progress=false",
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "run.progress=false", "env.id=visppo/DotReach-v0",
+                             "env.image_size=64",
                              "run.tensorboard=false", "ppo.total_steps=30000", "train.device=cpu"])
     rows = list(csv.DictReader((train(cfg) / "metrics.csv").open()))
     untrained = float(rows[0]["episode_return"])  # the first iteration's episodes: the initial policy

@@ -25,6 +25,12 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message says which file and why."""
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_save(obj: Any, path: Path) -> None:
     """``torch.save`` to ``path`` atomically (temp file + fsync + rename + dir fsync)."""
     path = Path(path)
@@ -35,6 +41,7 @@ def atomic_save(obj: Any, path: Path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint gets the usual mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -43,13 +43,13 @@ AUGMENTATIONS = ("none", "shift")
 
 @dataclass
 class EnvConfig:
-    id: str = "visppo/DotReach-v0"
+    id: str = "visppo/Reach-v0"
     """gymnasium id: a visppo task (visppo/DotReach-v0, ...) or any id that renders (Reacher-v5, ...)."""
     pixels: bool = True
     """Observe rendered camera frames; false passes the env's own observation through (must be an image)."""
     state: bool = False
     """Also observe the robot's proprioceptive vector, as a dict {"pixels", "state"}."""
-    image_size: int = 64
+    image_size: int = 84
     """Side of the square frames the policy sees, in pixels."""
     frame_stack: int = 1
     """Number of consecutive frames stacked along channels (needed when velocity matters)."""
@@ -105,7 +105,7 @@ class PPOConfig:
     """Samples per optimizer step (changes the learning)."""
     num_epochs: int = 4
     """Passes over the rollout per iteration."""
-    total_steps: int = 50_000
+    total_steps: int = 200_000
     """Environment steps (summed over envs) to train for."""
     learning_rate: float = 1e-3
     """Adam learning rate at the start."""

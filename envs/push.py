@@ -1,0 +1,98 @@
+"""Push: the planar arm pushes a red puck onto a green goal disc.
+
+The arm, camera and look are Reach's (``assets/push.xml``), but only the
+finger touches the puck (the links pass over it). The puck slides freely in
+the plane and stops soon after it is let go (damped slide joints), so a policy
+can nudge it step by step; a ring fence keeps it where the finger can always
+get behind it.
+
+- Action, float32[2] in [-1, 1]: fingertip velocity x, y (``control=
+  "cartesian"``, the default, 0.5 m/s at 1) or shoulder and elbow motor
+  commands (``control="joint"``); see :class:`~visppo_envs._mujoco_task.PlanarArmTask`.
+- ``state`` (``obs_mode="pixels_state"``), float32[4]: shoulder angle
+  (wrapped to [-pi, pi)), elbow angle, shoulder and elbow velocities (rad/s).
+  Proprioception only: puck and goal are seen in the pixels, not given.
+- Reward per step: ``10 x`` the decrease in fingertip-puck distance plus
+  ``20 x`` the decrease in puck-goal distance (metres), plus 0.1 while the puck
+  is on the goal. Progress terms (as in Reach) reward each action for what it
+  did: the first brings the finger to the puck, the second, weighted more,
+  rewards moving the puck to the goal.
+- ``info``: ``is_success`` (puck centre within 0.05 m of the goal centre, i.e.
+  on the goal disc), ``puck_to_goal``, ``tip_to_puck``. No early termination;
+  the time limit (200 steps = 8 s) ends episodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._gl import ensure_headless_gl
+
+ensure_headless_gl()  # before mujoco is imported
+
+import mujoco  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ._mujoco_task import PlanarArmTask, sample_annulus  # noqa: E402
+
+
+class PushEnv(PlanarArmTask):
+    """Planar two-link arm pushing a puck onto a goal, observed from above."""
+
+    ASSET = "push.xml"
+    DEFAULT_FRAME_SKIP = 4  # 4 x 10 ms = 0.04 s per step
+    GOAL_RADIUS = 0.05  # must match the goal geom in push.xml
+    TIP_PROGRESS_SCALE = 10.0  # reward per metre the finger gets closer to the puck
+    PUCK_PROGRESS_SCALE = 20.0  # reward per metre the puck gets closer to the goal
+    ON_GOAL_BONUS = 0.1  # reward per step with the puck on the goal
+    # Puck and goal centres, inside the fence (radius 0.185 m) where the finger
+    # can get round the puck to push it in any direction (the finger reaches
+    # from 0.02 m to 0.24 m from the shoulder).
+    PUCK_RING = (0.07, 0.14)
+    GOAL_RING = (0.05, 0.13)
+    PUCK_TO_GOAL = (0.08, 0.20)  # start distance range, so every episode needs a push
+
+    _last_distances = (0.0, 0.0)  # (tip_to_puck, puck_to_goal) after the previous step
+
+    def _reset_task(self) -> None:
+        rng = self.np_random
+        puck = self._puck_qpos
+        while True:  # rejection sampling: no finger-puck overlap, goal at a useful distance
+            self._sample_arm_pose()
+            self.data.qpos[puck] = sample_annulus(rng, *self.PUCK_RING)
+            goal = sample_annulus(rng, *self.GOAL_RING)
+            mujoco.mj_forward(self.model, self.data)
+            gap = np.linalg.norm(goal - self.data.qpos[puck])
+            if self.data.ncon == 0 and self.PUCK_TO_GOAL[0] <= gap <= self.PUCK_TO_GOAL[1]:
+                break
+        self.data.mocap_pos[0, :2] = goal
+        self._last_distances = self._distances()
+
+    @property
+    def _puck_qpos(self) -> slice:
+        start = int(self.model.joint("puck_x").qposadr[0])
+        return slice(start, start + 2)
+
+    def _distances(self) -> tuple[float, float]:
+        puck = self._body_xy("puck")
+        tip_to_puck = float(np.linalg.norm(self._body_xy("fingertip") - puck))
+        puck_to_goal = float(np.linalg.norm(puck - self.data.mocap_pos[0, :2]))
+        return tip_to_puck, puck_to_goal
+
+    def _reward(self) -> float:
+        tip_to_puck, puck_to_goal = self._distances()
+        last_tip_to_puck, last_puck_to_goal = self._last_distances
+        self._last_distances = (tip_to_puck, puck_to_goal)
+        return (
+            self.TIP_PROGRESS_SCALE * (last_tip_to_puck - tip_to_puck)
+            + self.PUCK_PROGRESS_SCALE * (last_puck_to_goal - puck_to_goal)
+            + self.ON_GOAL_BONUS * (puck_to_goal < self.GOAL_RADIUS)
+        )
+
+    def _info(self) -> dict[str, Any]:
+        tip_to_puck, puck_to_goal = self._distances()
+        return {
+            "is_success": bool(puck_to_goal < self.GOAL_RADIUS),
+            "puck_to_goal": puck_to_goal,
+            "tip_to_puck": tip_to_puck,
+        }

@@ -1,0 +1,220 @@
+"""visppo.evaluate: episodes from a real checkpoint, videos, and checkpoints that must be refused."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_overrides
+from PIL import Image
+
+from visppo.checkpoint import CheckpointError
+from visppo.config import UserError, load_config
+from visppo.evaluate import SEPARATOR, compose_frame, evaluate, format_result, video_layout
+from visppo.train import train
+
+EPISODE_LENGTH = 50  # visppo/DotReach-v0's registered time limit
+IMAGE_SIZE = 48  # tiny_overrides' env.image_size
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A real run: the tiny DotReach training of conftest (2 iterations, ~15 s)."""
+    cfg = load_config(None, tiny_overrides(tmp_path_factory.mktemp("evaluate")))
+    return train(cfg)
+
+
+@pytest.fixture(scope="module")
+def ckpt(run_dir):
+    return torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)
+
+
+def test_evaluate_run_dir_and_file(run_dir, tmp_path):
+    json_path = tmp_path / "out" / "result.json"
+    result = evaluate(run_dir, episodes=3, deterministic=True, json_path=json_path)
+    assert result["episodes"] == 3
+    assert result["checkpoint"] == str(run_dir / "checkpoints" / "latest.pt")
+    assert result["global_step"] == 128
+    assert result["lengths"] == [EPISODE_LENGTH] * 3 and result["mean_length"] == EPISODE_LENGTH
+    # DotReach: 10x the distance gained (|.| < 10 * sqrt(2)) + 0.1 per step inside the target
+    assert all(-15 < r < 10 * math.sqrt(2) + 0.1 * EPISODE_LENGTH for r in result["returns"])
+    assert result["mean_return"] == pytest.approx(np.mean(result["returns"]))
+    assert result["std_return"] == pytest.approx(np.std(result["returns"]))
+    assert all(isinstance(s, bool) for s in result["successes"])
+    assert result["success_rate"] == pytest.approx(np.mean(result["successes"]))
+    assert json.loads(json_path.read_text()) == result
+    assert [p.name for p in json_path.parent.iterdir()] == ["result.json"]  # no temp file left
+    line = format_result(result)
+    assert "±" in line and "3 episodes" in line and "success" in line
+
+    from_file = evaluate(run_dir / "checkpoints" / "latest.pt", episodes=3, deterministic=True)
+    assert from_file["returns"] == result["returns"]  # same checkpoint, same seed
+
+
+def test_evaluation_is_repeatable(run_dir):
+    a = evaluate(run_dir, episodes=2, deterministic=True, seed=5)
+    b = evaluate(run_dir, episodes=2, deterministic=True, seed=5)
+    c = evaluate(run_dir, episodes=2, deterministic=True, seed=6)
+    assert a["returns"] == b["returns"]
+    assert a["returns"] != c["returns"]  # other seeds place dot and target elsewhere
+    torch.manual_seed(0)
+    s1 = evaluate(run_dir, episodes=2, seed=5)
+    torch.manual_seed(123)  # the caller's RNG state does not matter ...
+    s2 = evaluate(run_dir, episodes=2, seed=5)
+    assert s1["returns"] == s2["returns"]  # ... sampling is seeded by `seed`
+    assert s1["deterministic"] is False and a["deterministic"] is True
+
+
+def test_video_mp4_frames_and_size(run_dir, tmp_path):
+    video = tmp_path / "videos" / "eval.mp4"
+    result = evaluate(run_dir, episodes=2, deterministic=True, video=video)
+    assert result["video"] == str(video)
+    frames = iio.imread(video, index=None)
+    # one frame per observation: each episode's reset frame plus one per step
+    assert frames.shape[0] == sum(result["lengths"]) + result["episodes"] == 2 * (EPISODE_LENGTH + 1)
+    scale = math.ceil(256 / IMAGE_SIZE)  # nearest-neighbour upscale to >= 256 px; DotReach has no view
+    assert frames.shape[1:] == (IMAGE_SIZE * scale, IMAGE_SIZE * scale, 3) == (288, 288, 3)
+    assert frames.max() > 100  # not blank: the red dot and green target are there
+    assert sorted(p.name for p in video.parent.iterdir()) == ["eval.mp4"]
+
+
+def test_video_gif(run_dir, tmp_path):
+    video = tmp_path / "eval.gif"
+    result = evaluate(run_dir, episodes=1, deterministic=True, video=video)
+    assert result["video"] == str(video)
+    with Image.open(video) as im:
+        assert im.size == (288, 288)
+        # Pillow merges identical consecutive GIF frames (adding their durations):
+        # count the frames by total duration, 50 ms each at DotReach's 20 fps.
+        durations = []
+        for i in range(im.n_frames):
+            im.seek(i)
+            durations.append(im.info["duration"])
+    assert sum(durations) == 50 * (EPISODE_LENGTH + 1)
+    assert iio.imread(video, index=0).shape[:2] == (288, 288)
+
+
+def test_compose_frame_with_view():
+    stacked = np.zeros((6, 40, 40), np.uint8)
+    stacked[3:, :, :] = 200  # the newest frame of a stack of 2 RGB frames
+    calls = []
+
+    def render_view(width, height):
+        calls.append((width, height))
+        return np.full((height, width, 3), 50, np.uint8)
+
+    frame = compose_frame(stacked, 2, render_view)
+    height, cam_width, view_width = video_layout(40, 40, True)
+    assert (height, cam_width) == (280, 280) and calls == [(view_width, height)]
+    assert frame.shape[0] == height and frame.shape[1] >= cam_width + view_width
+    assert frame.shape[0] % 2 == 0 and frame.shape[1] % 2 == 0  # H.264 yuv420p needs even sizes
+    assert (frame[:, :cam_width] == 200).all()  # newest frame, not the older one
+    start = cam_width + SEPARATOR
+    assert frame.shape[1] == start + view_width + (start + view_width) % 2
+    assert (frame[:, start:start + view_width] == 50).all()  # the view, same height, beside the camera
+
+
+def _save(tmp_path, obj, name="edited.pt"):
+    path = tmp_path / name
+    torch.save(obj, path)
+    return path
+
+
+def test_other_architecture_is_refused(ckpt, tmp_path):
+    # a config that builds a wider encoder than the weights in the file
+    wider = {**ckpt, "config": {**ckpt["config"], "model": {**ckpt["config"]["model"], "feature_dim": 64}}}
+    with pytest.raises(CheckpointError, match="another architecture") as info:
+        evaluate(_save(tmp_path, wider), episodes=1)
+    assert "encoder.pixels.proj.0.weight" in str(info.value) and "\n" not in str(info.value)
+
+    model = dict(ckpt["model"])
+    model.pop("critic.2.bias")
+    model["extra.weight"] = torch.zeros(3)
+    model["actor.0.weight"] = torch.zeros(7, 7)
+    with pytest.raises(CheckpointError, match="another architecture") as info:
+        evaluate(_save(tmp_path, {**ckpt, "model": model}), episodes=1)
+    msg = str(info.value)
+    for key in ("missing keys: critic.2.bias", "unexpected keys: extra.weight", "actor.0.weight (7, 7)"):
+        assert key in msg
+
+
+def test_missing_and_non_run_dirs(tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        evaluate(tmp_path / "nope", episodes=1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"not a run directory \(no checkpoints/latest.pt\)"):
+        evaluate(tmp_path / "empty", episodes=1)
+
+
+def test_corrupt_checkpoint(run_dir, tmp_path):
+    data = (run_dir / "checkpoints" / "latest.pt").read_bytes()
+    path = tmp_path / "truncated.pt"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        evaluate(path, episodes=1)
+    text = tmp_path / "text.pt"
+    text.write_text("not a checkpoint\n")
+    with pytest.raises(CheckpointError):
+        evaluate(text, episodes=1)
+
+
+class _Payload:
+    """Unpickling this runs a shell command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_malicious_pickle_is_refused(ckpt, tmp_path):
+    marker = tmp_path / "MARKER"
+    path = _save(tmp_path, {**ckpt, "model": {"evil": _Payload(marker)}}, "evil.pt")
+    with pytest.raises(CheckpointError, match="refused"):
+        evaluate(path, episodes=1)
+    assert not marker.exists()
+    # the payload is live: an unsafe load would have run it
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+def test_bad_outputs_fail_before_running(run_dir, tmp_path):
+    with pytest.raises(UserError, match="must end in"):
+        evaluate(run_dir, episodes=1, video=tmp_path / "video.txt")
+    with pytest.raises(UserError, match="at least 1"):
+        evaluate(run_dir, episodes=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_crash_leaves_no_video(run_dir, tmp_path, monkeypatch):
+    import visppo.evaluate as ev
+
+    real, calls = ev.compose_frame, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 20:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ev, "compose_frame", failing)
+    video = tmp_path / "eval.mp4"
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(run_dir, episodes=1, video=video)
+    assert list(tmp_path.iterdir()) == []  # neither eval.mp4 nor its temp file
+
+
+def test_gif_when_ffmpeg_is_missing(run_dir, tmp_path, monkeypatch):
+    import visppo.evaluate as ev
+
+    monkeypatch.setattr(ev, "_ffmpeg_available", lambda: False)
+    with pytest.warns(RuntimeWarning, match="ffmpeg"):
+        result = evaluate(run_dir, episodes=1, deterministic=True, video=tmp_path / "eval.mp4")
+    assert result["video"] == str(tmp_path / "eval.gif")
+    assert [p.name for p in tmp_path.iterdir()] == ["eval.gif"]

@@ -1,0 +1,89 @@
+"""visppo.plot: learning curves from runs' metrics.csv files."""
+
+from __future__ import annotations
+
+import math
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+
+from visppo.config import ConfigError
+from visppo.metrics import Logger
+from visppo.plot import moving_average, plot_runs, read_metrics
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(path, rows: int, seed: int = 0):
+    """A run directory whose metrics.csv is written by visppo's own Logger, as training writes it."""
+    path.mkdir(parents=True)
+    logger = Logger(path, rows * 64, tensorboard=False, progress=False)
+    rng = np.random.default_rng(seed)
+    for i in range(1, rows + 1):
+        early = i < 3  # no episode has ended yet: training logs nan
+        logger.log(i * 64, {"iteration": i, "episodes": 0 if early else 2,
+                            "episode_return": math.nan if early else i * 0.1 + rng.normal(),
+                            "episode_success": math.nan if early else min(1.0, i / rows)})
+    logger.close()
+    return path
+
+
+def _check_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    image = iio.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert image.std() > 0  # something was drawn
+
+
+def test_one_and_two_runs(tmp_path):
+    a, b = _run(tmp_path / "run-a", 30), _run(tmp_path / "run-b", 12, seed=1)
+    out = plot_runs([a], tmp_path / "plots" / "one.png")
+    assert out == tmp_path / "plots" / "one.png"
+    _check_png(out)
+    two = plot_runs([a, b], tmp_path / "plots" / "two.png", smooth=5)
+    _check_png(two)
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["one.png", "two.png"]  # no temp files
+
+
+def test_suffix_picks_format(tmp_path):
+    a = _run(tmp_path / "run", 5)
+    assert plot_runs([a], tmp_path / "curves") == tmp_path / "curves.png"
+    _check_png(tmp_path / "curves.png")
+    assert plot_runs([a], tmp_path / "curves.pdf").read_bytes()[:4] == b"%PDF"
+    with pytest.raises(ConfigError, match="cannot write a plot"):
+        plot_runs([a], tmp_path / "curves.xyz")
+
+
+def test_runs_without_metrics(tmp_path):
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(ConfigError, match="bare has no metrics.csv"):
+        plot_runs([tmp_path / "bare"], tmp_path / "out.png")
+    with pytest.raises(ConfigError, match="not found"):
+        plot_runs([tmp_path / "missing"], tmp_path / "out.png")
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "metrics.csv").write_text("")
+    with pytest.raises(ConfigError, match="metrics"):
+        plot_runs([tmp_path / "fresh"], tmp_path / "out.png")
+    (tmp_path / "fresh" / "metrics.csv").write_text("global_step,episode_return,episode_success\n")
+    with pytest.raises(ConfigError, match="no rows yet"):
+        plot_runs([tmp_path / "fresh"], tmp_path / "out.png")
+    assert not (tmp_path / "out.png").exists()
+
+
+def test_nan_only_success_and_partial_line(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text(
+        "global_step,episode_return,episode_success\n"
+        "64,nan,nan\n128,1.5,nan\n192,2.5,nan\n256,3")  # a live run mid-write
+    metrics = read_metrics(run)
+    assert metrics["global_step"].tolist() == [64, 128, 192]
+    _check_png(plot_runs([run], tmp_path / "out.png"))
+
+
+def test_moving_average_ignores_nan():
+    values = np.array([1.0, math.nan, 3.0, 5.0, math.nan, math.nan, math.nan])
+    np.testing.assert_allclose(moving_average(values, 3), [1, 1, 2, 4, 4, 5, math.nan])
+    np.testing.assert_allclose(moving_average(values, 1), values)

@@ -7,6 +7,7 @@
 """
 
 from gymnasium.envs.registration import register, registry
+
 from visppo_envs._gl import ensure_headless_gl
 
 ensure_headless_gl()  # before anything imports mujoco: EGL when there is no display

@@ -2,12 +2,12 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
-from visppo_envs.dot import DotReachEnv
-
-DOT = "env.id=visppo/DotReach-v0"
 
 from visppo.config import ConfigError, load_config
 from visppo.envs import PixelDict, make_env, make_vector_env
+from visppo_envs.dot import DotReachEnv
+
+DOT = "env.id=visppo/DotReach-v0"
 
 
 @pytest.mark.parametrize("obs_mode", ["pixels", "pixels_state"])

@@ -19,8 +19,9 @@ import gymnasium as gym  # noqa: E402
 import mujoco  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import visppo_envs  # noqa: E402, F401  registers the ids
 from gymnasium.utils.env_checker import check_env  # noqa: E402
+
+import visppo_envs  # noqa: E402, F401  registers the ids
 from visppo_envs import _gl  # noqa: E402
 
 TASKS = ["visppo/Reach-v0", "visppo/Push-v0", "visppo/Balance-v0"]

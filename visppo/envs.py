@@ -17,9 +17,9 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from visppo_envs._gl import ensure_headless_gl
 
 from visppo.config import Config, ConfigError, RunError
+from visppo_envs._gl import ensure_headless_gl
 
 SYNTHETIC_PREFIX = "visppo/Dot"
 

@@ -117,3 +117,27 @@ def test_resume_refuses_changing_the_maths(tmp_path, capsys):
     assert code == 2 and "ppo.num_envs cannot change when resuming" in err
     code, err = run_main(capsys, "train", "--resume", str(tmp_path / "run"))
     assert code == 2 and "already reached" in err
+
+
+def test_eval_of_a_missing_checkpoint(tmp_path, capsys):
+    code, err = run_main(capsys, "eval", str(tmp_path / "nothing.pt"))
+    assert code == 2 and err.startswith("error: ") and "not found" in err and len(err.strip().splitlines()) == 1
+
+
+def test_eval_of_a_checkpoint_of_another_architecture(tmp_path, capsys):
+    import torch
+
+    code, _ = run_main(capsys, "train", *tiny_overrides(tmp_path))
+    assert code == 0
+    ckpt_path = tmp_path / "run" / "checkpoints" / "latest.pt"
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    ckpt["model"]["actor.0.weight"] = torch.zeros(3, 3)
+    torch.save(ckpt, tmp_path / "other.pt")
+    code, err = run_main(capsys, "eval", str(tmp_path / "other.pt"), "--episodes", "1")
+    assert code == 2 and err.startswith("error: ") and "another architecture" in err
+    assert "actor.0.weight" in err and len(err.strip().splitlines()) == 1
+
+
+def test_eval_with_bad_episodes(tmp_path, capsys):
+    code, err = run_main(capsys, "eval", str(tmp_path), "--episodes", "0")
+    assert code == 2 and err.startswith("error: --episodes")

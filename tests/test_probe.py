@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_overrides
 
 from visppo.cli import main
-from visppo.config import load_config
+from visppo.config import PPOConfig, load_config
 from visppo.probe import Prober, probe
 
 
@@ -71,3 +71,52 @@ def test_probe_refuses_real_mode_without_the_device(capsys):
         pytest.skip("CUDA present")
     assert main(["probe", "--device", "cuda", "--mode", "real"]) == 2
     assert capsys.readouterr().err.startswith("error: --mode real needs")
+
+
+@pytest.mark.parametrize("encoder", ["nature", "impala"])
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_fake_estimate_within_10_percent_of_real_for_encoders_amp_and_sizes(encoder, amp):
+    cfg = load_config(None, tiny_overrides(**{"model.encoder": encoder, "train.amp": amp, "env.image_size": 64}))
+    fake = Prober(cfg, torch.device("cpu"), "fake")
+    real = Prober(cfg, torch.device("cpu"), "real")
+    for size in (8, 32):
+        f, r = fake.activations("micro_batch", size), real.activations("micro_batch", size)
+        assert abs(f - r) <= 0.10 * r, (encoder, amp, size, f, r)
+
+
+def _update_peak(minibatch: int, micro: int, rollout: int = 256) -> int:
+    from test_ppo import _setup
+
+    from visppo.memory import peak_bytes
+    from visppo.ppo import Precision, update
+
+    policy, buf = _setup(T=rollout // 4, N=4)
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
+    cfg = PPOConfig(num_epochs=1, minibatch_size=minibatch)
+    cpu = torch.device("cpu")
+    update(policy, opt, buf, cfg, micro, 16, cpu, Precision(cpu), torch.Generator().manual_seed(0))  # Adam state
+    return peak_bytes(lambda: update(policy, opt, buf, cfg, micro, 16, cpu, Precision(cpu),
+                                     torch.Generator().manual_seed(1)), cpu)
+
+
+def test_update_peak_does_not_grow_with_the_minibatch_at_a_fixed_micro_batch():
+    small, large = _update_peak(16, 16), _update_peak(256, 16)
+    assert large <= 1.1 * small, (small, large)
+    assert _update_peak(256, 256) > 3 * small  # the meter does see activations grow
+
+
+def test_chunked_no_grad_pass_peak_does_not_grow_with_the_rollout():
+    from test_ppo import _setup
+
+    from visppo.memory import peak_bytes
+    from visppo.ppo import score
+
+    cpu = torch.device("cpu")
+    peaks = []
+    for rollout in (64, 256):
+        policy, buf = _setup(T=rollout // 4, N=4)
+        flat = {k: buf.flat(v) for k, v in buf.obs.items()}
+        actions = buf.flat(buf.actions)
+        peaks.append(peak_bytes(lambda: score(policy, flat, actions, 16, cpu), cpu))
+    # the outputs (one float per sample) are the only part that grows: 2 x 4 bytes x 192 samples
+    assert peaks[1] - peaks[0] <= 2 * 4 * 192 + 4096, peaks

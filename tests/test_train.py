@@ -121,3 +121,31 @@ def test_divergence_guard_skips_bad_steps_then_stops_keeping_the_last_good_check
     rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
     assert [int(r["skipped_steps"]) for r in rows] == [0, 4, 4][: len(rows)] and not math.isnan(
         float(rows[0]["loss/value_loss"]))
+
+
+def test_a_run_survives_injected_ooms_and_matches_a_run_started_at_the_smaller_size(tmp_path, monkeypatch):
+    """OOM above micro-batch 8: the run halves 32 -> 16 -> 8, goes on, and ends like a run at 8."""
+    from visppo.policy import ActorCritic
+
+    real_evaluate = ActorCritic.evaluate
+
+    def evaluate_or_oom(self, obs, actions):
+        if torch.is_grad_enabled() and len(actions) > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return real_evaluate(self, obs, actions)
+
+    common = {"ppo.minibatch_size": 32, "train.deterministic": "true"}
+    ref = _final_params_of(train(load_config(None, tiny_overrides(tmp_path / "at8", **common,
+                                                                  **{"memory.micro_batch_size": 8}))))
+    monkeypatch.setattr(ActorCritic, "evaluate", evaluate_or_oom)
+    with pytest.warns(RuntimeWarning, match="out of memory"):
+        run = train(load_config(None, tiny_overrides(tmp_path / "oom", **common,
+                                                     **{"memory.micro_batch_size": 32})))
+    ckpt = torch.load(run / "checkpoints" / "latest.pt", weights_only=True)
+    assert ckpt["memory_sizes"]["micro"] == 8  # kept for the rest of the run, and saved
+    for key, value in ref.items():
+        torch.testing.assert_close(ckpt["model"][key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def _final_params_of(run_dir):
+    return torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)["model"]

@@ -122,8 +122,10 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
         freeze = (FreezeSchedule(policy.encoders(), cfg.model.freeze_encoder_updates, optimizer)
                   if cfg.model.freeze_encoder_updates else None)  # before_step: trunks frozen for K steps
         acting = ActingCopy(policy, rollout_device) if rollout_device != device else None
+        on_device = cfg.memory.buffer_device == "device"
         buffer = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, envs.single_observation_space,
-                               envs.single_action_space, pin_memory=device.type == "cuda")
+                               envs.single_action_space, pin_memory=device.type == "cuda" and not on_device,
+                               device=device if on_device else "cpu")
         state = RolloutState.start(envs, seed=cfg.train.seed)
         if resume is not None:
             ckpt_io.set_rng_state(resume["rng"])  # last: building the model drew from the RNGs

@@ -113,7 +113,7 @@ def test_sigkill_mid_training_then_resume(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     step = load(run_dir / "checkpoints" / "latest.pt")["global_step"]
-    assert step >= 4 * 64 and step < 640
+    assert step in (2 * 64, 4 * 64)  # iteration 4's latest.pt, or the kill came before it was written
     _resume_and_check(run_dir, 640)
 
 

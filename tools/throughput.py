@@ -16,14 +16,24 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import multiprocessing
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from visppo.config import load_config
 from visppo.envs import make_vector_env
 from visppo.train import train
+
+
+def raw_env_rate_isolated(cfg, num_envs: int, vector: str, steps: int) -> float:
+    """:func:`raw_env_rate` in a fresh spawned process: each measurement gets its own
+    GL contexts (creating and dropping many EGL contexts in one process crashed here)."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(raw_env_rate, cfg, num_envs, vector, steps).result()
 
 
 def raw_env_rate(cfg, num_envs: int, vector: str, steps: int) -> float:
@@ -64,9 +74,9 @@ def main() -> None:
     ns = parser.parse_args()
     path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
     cfg = load_config(path, ns.args[1:] if path else ns.args)
-    rows = [("env, 1 process", raw_env_rate(cfg, 1, "sync", ns.steps))]
+    rows = [("env, 1 process", raw_env_rate_isolated(cfg, 1, "sync", ns.steps))]
     for workers in sorted({2, cfg.ppo.num_envs}):
-        rows.append((f"env, {workers} async workers", raw_env_rate(cfg, workers, "async", ns.steps)))
+        rows.append((f"env, {workers} async workers", raw_env_rate_isolated(cfg, workers, "async", ns.steps)))
     best_raw = max(rate for _, rate in rows)
     sps, phases = training_rate(cfg, ns.iterations)
     rows.append((f"training ({cfg.env.vector} vector, {cfg.ppo.num_envs} envs)", sps))

@@ -162,6 +162,14 @@ class Prober:
         return Candidate(kind, size, peak, peak <= limit, breakdown)
 
 
+def emulate_smaller_card(budget_bytes: int, device: torch.device) -> None:
+    """In real mode on a bigger GPU, cap this process at ``budget_bytes`` so that sizes that
+    would not fit the target card really raise out-of-memory here."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    if budget_bytes < total:
+        torch.cuda.set_per_process_memory_fraction(budget_bytes / total, device)
+
+
 def probe(cfg: Config, budget: str | int, device: str = "cuda", mode: str | None = None,
           margin: float = 0.10) -> ProbeResult:
     """Largest ``memory.micro_batch_size`` and ``memory.infer_chunk_size`` of ``cfg`` under ``budget``."""
@@ -174,6 +182,8 @@ def probe(cfg: Config, budget: str | int, device: str = "cuda", mode: str | None
     if not 0 <= margin < 1:
         raise ConfigError(f"--margin must be in [0, 1), got {margin}")
     limit = int(budget_bytes * (1 - margin))
+    if mode == "real" and target.type == "cuda":
+        emulate_smaller_card(budget_bytes, target)
     prober = Prober(cfg, target, mode)
     candidates: list[Candidate] = []
 

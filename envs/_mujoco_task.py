@@ -18,6 +18,7 @@ camera for evaluation videos), and actuators with ``ctrlrange="-1 1"``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from importlib import resources
 from typing import Any, ClassVar
 
@@ -52,7 +53,7 @@ def wrap_angle(angle: np.ndarray | float) -> np.ndarray:
     return (np.asarray(angle) + np.pi) % (2 * np.pi) - np.pi
 
 
-class MujocoTask(gym.Env):
+class MujocoTask(gym.Env, ABC):
     """A MuJoCo task observed through the MJCF camera ``policy``.
 
     Args:
@@ -119,24 +120,24 @@ class MujocoTask(gym.Env):
         self._frame: np.ndarray | None = None  # last policy frame, returned by render()
 
     # ------------------------------------------------------------------ hooks
+    @abstractmethod
     def _reset_task(self) -> None:
         """Randomise ``self.data`` (qpos, qvel, mocap) with ``self.np_random``."""
-        raise NotImplementedError
 
     def _after_step(self) -> None:
         """Update per-episode bookkeeping after the physics step (optional)."""
 
+    @abstractmethod
     def _reward(self) -> float:
         """Dense reward for the state reached by the last step."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _info(self) -> dict[str, Any]:
         """Step info; must contain ``is_success`` (a Python bool)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _state(self) -> np.ndarray:
         """Low-dimensional state for ``obs_mode="pixels_state"``."""
-        raise NotImplementedError
 
     def _apply_action(self, action: np.ndarray) -> None:
         """Turn an action (already clipped to [-1, 1]) into ``data.ctrl``."""

@@ -25,10 +25,11 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message says which file and why."""
 
 
-def _umask() -> int:
+def file_mode() -> int:
+    """The mode a plain ``open()`` would give a new file; ``mkstemp`` makes 0600 ones."""
     mask = os.umask(0)
     os.umask(mask)
-    return mask
+    return 0o666 & ~mask
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -41,7 +42,7 @@ def atomic_save(obj: Any, path: Path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint gets the usual mode
+        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -62,6 +63,7 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -24,6 +24,7 @@ pretrained; what ``model.freeze_encoder_updates`` freezes and
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -65,14 +66,15 @@ def _run_stages(stages: list, x: torch.Tensor, use_checkpoint: bool) -> torch.Te
     return x
 
 
-class PixelEncoder(nn.Module):
+class PixelEncoder(nn.Module, ABC):
     """Base: ``trunk`` (possibly pretrained) -> ``proj``; ``frozen`` runs the trunk without gradients."""
 
     frozen: bool = False
     """Set by :class:`FreezeSchedule`: the trunk runs under no_grad, so it gets no gradient at all."""
 
+    @abstractmethod
     def trunk(self) -> nn.Module:
-        raise NotImplementedError
+        """The (possibly pretrained) part that freezing and ``encoder_lr_scale`` apply to."""
 
     def _no_grad_if_frozen(self):
         return torch.no_grad() if self.frozen and torch.is_grad_enabled() else nullcontext()

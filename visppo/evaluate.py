@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from visppo import checkpoint as ckpt_io
-from visppo.checkpoint import CheckpointError
+from visppo.checkpoint import CheckpointError, atomic_write_text, file_mode
 from visppo.config import Config, ConfigError, UserError, from_dict
 from visppo.envs import check_env_id, make_env
 from visppo.policy import ActorCritic
@@ -226,7 +226,7 @@ def evaluate(source: str | Path, episodes: int, deterministic: bool = False, vid
     result = {"checkpoint": str(path), "global_step": int(step) if step is not None else None,
               "env_id": cfg.env.id, **result}
     if json_path is not None:
-        _atomic_write_text(json_path, json.dumps(_jsonable(result), indent=2) + "\n")
+        atomic_write_text(json_path, json.dumps(_jsonable(result), indent=2) + "\n")
     return result
 
 
@@ -366,7 +366,7 @@ def _video_writer(path: Path, fps: float) -> Iterator[_Frames]:
         frames.close()
         if frames.frames == 0:
             raise RuntimeError("no video frames were recorded")
-        os.chmod(frames.tmp, _umask_mode())
+        os.chmod(frames.tmp, file_mode())
         os.replace(frames.tmp, frames.path)
     except BaseException:
         try:
@@ -393,27 +393,6 @@ def _check_output_path(path: Path, what: str) -> Path:
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot write the {what} output {path}: {path.parent} is not writable")
     return path
-
-
-def _umask_mode() -> int:
-    """The mode a plain ``open()`` would give a new file (mkstemp's temp files are 0600)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _jsonable(value: Any) -> Any:

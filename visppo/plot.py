@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from visppo.checkpoint import file_mode
 from visppo.config import ConfigError
 
 PANELS = (("episode_return", "episode return"), ("episode_success", "success rate"))
@@ -147,9 +148,7 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, format=fmt, dpi=120)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
+        os.chmod(tmp, file_mode())
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

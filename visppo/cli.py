@@ -1,12 +1,14 @@
 """``visppo train | eval | plot | probe | bench | config``: argument parsing and error reporting, nothing else.
 
 Bad input never shows a traceback: it prints one ``error:`` line that says what
-to change and exits with code 2.
+to change and exits with code 2. Under ``torchrun`` every process parses the same
+input, so bad input is reported once per machine (by local rank 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -40,7 +42,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     else:
         path, overrides = _split(ns.args)
         run_dir = train(load_config(path, overrides))
-    print(f"visppo: run finished in {run_dir}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+        print(f"visppo: run finished in {run_dir}")
     return 0
 
 
@@ -160,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # the other processes of a torchrun read the same input
+            print(f"error: {exc}", file=sys.stderr)
         return 2
     except RunError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -11,6 +11,12 @@ Two memory knobs, neither of which changes the maths:
   normalisation, approx-KL for early stopping, clip fraction) is computed over
   the whole minibatch, never per slice. One clip and one optimizer step per
   minibatch.
+
+Under torchrun, ``update`` gets a DistributedDataParallel wrapper of :class:`Evaluate`
+(``ddp``) and every rank runs it on its own rollout: micro-batches before a minibatch's
+last run under ``no_sync()``, so gradients are all-reduced once per optimizer step, and
+the minibatch statistics above are those of all ranks' minibatches together
+(:mod:`visppo.distributed`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from visppo import distributed
 from visppo.buffer import RolloutBuffer, compute_gae, micro_batches, minibatches, obs_of
 from visppo.config import PPOConfig
 from visppo.memory import is_oom
@@ -204,9 +211,24 @@ def ppo_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.T
 # --------------------------------------------------------------------------- the update
 
 
+class Evaluate(nn.Module):
+    """``forward`` is ``policy.evaluate`` (``evaluate_augmented`` given ``aug_obs``): the module
+    DistributedDataParallel wraps, since DDP reduces the gradients of passes through ``forward`` only."""
+
+    def __init__(self, policy: ActorCritic):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, obs: Obs, actions: torch.Tensor, aug_obs: Obs | None = None):
+        if aug_obs is None:
+            return self.policy.evaluate(obs, actions)
+        return self.policy.evaluate_augmented(obs, aug_obs, actions)
+
+
 def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Tensor,
                        advantages: torch.Tensor, cfg: PPOConfig, micro_batch_size: int,
-                       device: torch.device, precision: Precision) -> dict[str, float]:
+                       device: torch.device, precision: Precision, ddp: nn.Module | None = None
+                       ) -> dict[str, torch.Tensor]:
     """Accumulate the gradient of the minibatch ``mb`` into ``.grad``, one micro-batch at a time.
 
     ``advantages`` are the minibatch's (already normalised over the whole
@@ -217,6 +239,9 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     original frames; each micro-batch also runs on its augmented frames (on the
     device, in the same forward pass) for the DrAC terms. The minibatch's augmentation draws are made
     at once before the split, so micro-batching does not change them.
+
+    ``ddp`` (DistributedDataParallel over ``Evaluate(policy)``): the forward passes go through
+    it, all but the last micro-batch under ``no_sync()``: one all-reduce of the summed gradient.
     """
     from visppo.augment import drac_loss
 
@@ -226,32 +251,53 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     augment = getattr(policy, "augment", None) if cfg.drac_coef else None
     if augment is not None:  # drawn ahead, committed at the end: an OOM retry draws the same shifts
         draws, rng_after = augment.draw_ahead(n)
-    for micro in micro_batches(mb, micro_batch_size):
-        batch = buffer.gather(micro, device)
-        micro_adv = advantages[offset:offset + len(micro)].to(device)
-        obs = obs_of(batch)
-        with precision.autocast():
-            if augment is None:
-                new_logp, entropy, new_values = policy.evaluate(obs, batch["actions"])
-            else:
-                aug_obs = augment.augment_obs(obs, draws[offset:offset + len(micro)])
-                new_logp, entropy, new_values, dist, aug_dist, aug_values = policy.evaluate_augmented(
-                    obs, aug_obs, batch["actions"])
-        offset += len(micro)
-        loss, stats = ppo_loss(new_logp, batch["logp"], micro_adv, new_values, batch["values"],
-                               batch["returns"], entropy, cfg.clip_coef, cfg.clip_value,
-                               cfg.value_coef, cfg.entropy_coef)
-        if augment is not None:
-            reg, reg_stats = drac_loss(dist, new_values, aug_dist, aug_values)
-            loss = loss + cfg.drac_coef * reg
-            stats.update(reg_stats)
-        loss = loss.sum() / n  # the minibatch mean, split over micro-batches
-        (precision.scaler.scale(loss) if precision.scaler else loss).backward()
+    micros = list(micro_batches(mb, micro_batch_size))
+    for i, micro in enumerate(micros):
+        accumulate_only = ddp.no_sync() if ddp is not None and i < len(micros) - 1 else nullcontext()
+        with accumulate_only:  # forward and backward: only the minibatch's last backward all-reduces
+            batch = buffer.gather(micro, device)
+            micro_adv = advantages[offset:offset + len(micro)].to(device)
+            obs = obs_of(batch)
+            with precision.autocast():
+                if augment is None:
+                    new_logp, entropy, new_values = _evaluate(policy, ddp, obs, batch["actions"])
+                else:
+                    aug_obs = augment.augment_obs(obs, draws[offset:offset + len(micro)])
+                    new_logp, entropy, new_values, dist, aug_dist, aug_values = _evaluate(
+                        policy, ddp, obs, batch["actions"], aug_obs)
+            offset += len(micro)
+            loss, stats = ppo_loss(new_logp, batch["logp"], micro_adv, new_values, batch["values"],
+                                   batch["returns"], entropy, cfg.clip_coef, cfg.clip_value,
+                                   cfg.value_coef, cfg.entropy_coef)
+            if augment is not None:
+                reg, reg_stats = drac_loss(dist, new_values, aug_dist, aug_values)
+                loss = loss + cfg.drac_coef * reg
+                stats.update(reg_stats)
+            loss = loss.sum() / n  # the minibatch mean, split over micro-batches
+            (precision.scaler.scale(loss) if precision.scaler else loss).backward()
         for k, v in stats.items():
             sums[k] = sums.get(k, 0.0) + v.sum().float()
     if augment is not None:
         augment.generator.set_state(rng_after)
     return {k: v / n for k, v in sums.items()}  # tensors: no device sync here
+
+
+def _evaluate(policy: ActorCritic, ddp: nn.Module | None, obs: Obs, actions: torch.Tensor,
+              aug_obs: Obs | None = None):
+    if ddp is not None:
+        return ddp(obs, actions, aug_obs)  # through DDP's forward, or no gradient would be reduced
+    if aug_obs is None:
+        return policy.evaluate(obs, actions)
+    return policy.evaluate_augmented(obs, aug_obs, actions)
+
+
+def normalize_advantages(adv: torch.Tensor, ddp: nn.Module | None = None) -> torch.Tensor:
+    """``(adv - mean) / (std + 1e-8)`` with the mean and unbiased std of the whole minibatch (never
+    of a micro-batch); with ``ddp``, of the minibatch over all ranks (one all-reduce)."""
+    if ddp is None:
+        return (adv - adv.mean()) / (adv.std() + 1e-8) if len(adv) > 1 else adv
+    mean, std, count = distributed.mean_std(adv)
+    return (adv - mean) / (std + 1e-8) if count > 1 else adv
 
 
 @dataclass
@@ -269,7 +315,7 @@ class UpdateResult:
 def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: RolloutBuffer,
            cfg: PPOConfig, micro_batch_size: int | MemorySizes, infer_chunk_size: int | None,
            device: torch.device, precision: Precision, generator: torch.Generator,
-           last_obs: Obs | None = None, before_step=None) -> UpdateResult:
+           last_obs: Obs | None = None, before_step=None, ddp: nn.Module | None = None) -> UpdateResult:
     """``cfg.num_epochs`` passes over the buffer in minibatches, each accumulated over micro-batches.
 
     ``before_step(optimizer)`` runs before every optimizer step (e.g. to freeze
@@ -277,6 +323,12 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
     Given :class:`MemorySizes` (then ``infer_chunk_size`` is ignored), an
     out-of-memory error clears the partial gradients, halves ``sizes.micro``
     and retries the same minibatch.
+
+    ``ddp``: DistributedDataParallel over ``Evaluate(policy)``, when every rank runs this
+    update on its own rollout. A minibatch is then ``cfg.minibatch_size`` samples of each
+    rank; its gradient is averaged over the ranks, its advantages normalised and its
+    statistics (approx-KL for early stopping too) taken over all of them, so every rank
+    steps, skips or stops alike.
     """
     sizes = (micro_batch_size if isinstance(micro_batch_size, MemorySizes)
              else MemorySizes(int(micro_batch_size), int(infer_chunk_size or 1024)))
@@ -290,17 +342,18 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
         advantages = buffer.flat(buffer.advantages)
         for mb in minibatches(buffer.size, cfg.minibatch_size, generator):
             adv = advantages[mb]
-            if cfg.norm_adv and len(mb) > 1:  # over the whole minibatch, never per micro-batch
-                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+            if cfg.norm_adv:
+                adv = normalize_advantages(adv, ddp)
             while True:
                 optimizer.zero_grad(set_to_none=True)
                 try:
-                    mb_stats = {k: float(v) for k, v in minibatch_gradient(
-                        policy, buffer, mb, adv, cfg, sizes.micro, device, precision).items()}
+                    means = minibatch_gradient(policy, buffer, mb, adv, cfg, sizes.micro, device, precision, ddp)
                     break
                 except Exception as exc:  # noqa: BLE001  re-raised unless it is an OOM
                     optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
                     sizes.halve("micro", exc)
+            mb_stats = ({k: float(v) for k, v in means.items()} if ddp is None
+                        else distributed.mean_over_ranks(means))  # same size on every rank: the global mean
             if cfg.target_kl and mb_stats["approx_kl"] > 1.5 * cfg.target_kl:
                 optimizer.zero_grad(set_to_none=True)
                 early_stopped = True  # SB3's rule: this minibatch's step is not taken

@@ -1,4 +1,9 @@
-"""``train(cfg)``: collect -> score -> GAE -> update -> log -> checkpoint, once per iteration."""
+"""``train(cfg)``: collect -> score -> GAE -> update -> log -> checkpoint, once per iteration.
+
+Under ``torchrun`` every process runs ``train``: each its own envs (distinct seeds) and
+rollout, one policy whose gradients DDP averages (:mod:`visppo.distributed`); rank 0 alone
+logs and writes the run directory.
+"""
 
 from __future__ import annotations
 
@@ -13,13 +18,14 @@ import numpy as np
 import torch
 
 from visppo import checkpoint as ckpt_io
+from visppo import distributed
 from visppo.buffer import RolloutBuffer
 from visppo.config import Config, ConfigError, RunError, build_config, to_dict, to_yaml
 from visppo.encoders import FreezeSchedule
 from visppo.envs import check_env_id, make_vector_env
 from visppo.metrics import Logger, PhaseTimer
 from visppo.policy import ActorCritic
-from visppo.ppo import MemorySizes, resolve_precision, score_rollout, update
+from visppo.ppo import Evaluate, MemorySizes, resolve_precision, score_rollout, update
 from visppo.rollout import ActingCopy, RolloutState, collect, to_torch
 
 
@@ -93,13 +99,19 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
 
     ``resume`` is a checkpoint (from :func:`load_for_resume`): the run goes on
     in its directory from the iteration after it, with every state restored.
+    Under torchrun, all sizes in ``cfg`` are per process: the iteration's rollout is
+    ``world * num_envs * num_steps``, an optimizer step averages ``world`` minibatches.
     """
+    ctx = distributed.Context.from_env()  # torchrun's RANK, WORLD_SIZE...; a world of one without them
     run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
-    if resume is None:
+    if resume is None and ctx.is_main:  # rank 0 alone writes the run directory
         check_run_dir(run_dir)
+    if resume is not None:
+        resume = resume_for_rank(resume, ctx)
     check_env_id(cfg.env.id)
-    device = resolve_device(cfg.train.device)
-    rollout_device = device if cfg.rollout.device == "auto" else resolve_device(cfg.rollout.device)
+    device = ctx.place(resolve_device(cfg.train.device))  # cuda -> cuda:LOCAL_RANK
+    rollout_device = (device if cfg.rollout.device == "auto"
+                      else ctx.place(resolve_device(cfg.rollout.device), "rollout.device"))
     try:
         precision = resolve_precision(cfg.train.amp, device)
         acting_amp = "auto" if cfg.train.amp == "fp16" and rollout_device.type != "cuda" else cfg.train.amp
@@ -108,39 +120,52 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
         raise ConfigError(str(exc)) from None
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    seed_everything(cfg.train.seed, cfg.train.deterministic, device)
+    seed_everything(cfg.train.seed, cfg.train.deterministic, device)  # the same model on every rank
+    owns_group = distributed.init(ctx, device)  # gloo on CPUs, NCCL on GPUs; nothing when alone
+    if ctx.enabled:
+        run_dir = Path(distributed.broadcast(str(run_dir)))  # rank 0's: a default name holds the time
 
     envs = make_vector_env(cfg)
     try:
         policy = build_policy(cfg, envs.single_observation_space, envs.single_action_space, device,
                               load_weights=resume is None)  # a resumed run takes the checkpoint's
         optimizer = build_optimizer(cfg, policy)
-        generator = torch.Generator().manual_seed(cfg.train.seed)  # minibatch order, apart from acting
+        seed = distributed.rank_seed(cfg.train.seed, ctx.rank)  # the seed itself on rank 0
+        generator = torch.Generator().manual_seed(seed)  # minibatch order, apart from acting
         first_iteration, global_step = 1, 0
         if resume is not None:
             first_iteration, global_step = restore(resume, policy, optimizer, precision, generator, envs)
         freeze = (FreezeSchedule(policy.encoders(), cfg.model.freeze_encoder_updates, optimizer)
                   if cfg.model.freeze_encoder_updates else None)  # before_step: trunks frozen for K steps
         acting = ActingCopy(policy, rollout_device) if rollout_device != device else None
+        # the update's forward passes go through DDP, which averages the gradients over the ranks;
+        # a frozen trunk gets no gradient, which DDP must look for (find_unused) instead of awaiting it
+        ddp = (distributed.wrap(Evaluate(policy), device, find_unused=freeze is not None and freeze.frozen)
+               if ctx.enabled else None)
         on_device = cfg.memory.buffer_device == "device"
         buffer = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, envs.single_observation_space,
                                envs.single_action_space, pin_memory=device.type == "cuda" and not on_device,
                                device=device if on_device else "cpu")
-        state = RolloutState.start(envs, seed=cfg.train.seed)
+        state = RolloutState.start(envs, seed=cfg.train.seed + ctx.rank * cfg.ppo.num_envs)  # env i of rank r
+        if ctx.rank:  # its own action noise; rank 0 keeps a single process's streams
+            seed_everything(seed, cfg.train.deterministic, device)
         if resume is not None:
             ckpt_io.set_rng_state(resume["rng"])  # last: building the model drew from the RNGs
-        num_iterations = math.ceil(cfg.ppo.total_steps / cfg.rollout_size)
-        sizes = memory_sizes(cfg, device, resume)
+        global_rollout = ctx.world * cfg.rollout_size  # samples per iteration, all ranks together
+        num_iterations = math.ceil(cfg.ppo.total_steps / global_rollout)
+        sizes = memory_sizes(cfg, device, resume, verbose=ctx.is_main)
 
-        run_dir.mkdir(parents=True, exist_ok=True)  # only now: bad input leaves nothing behind
-        if resume is None:
-            (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        logger = Logger(run_dir, num_iterations * cfg.rollout_size, initial_step=global_step,
-                        tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
-        logger.message(f"visppo: {'resuming' if resume else 'run directory'} {run_dir}  (train on {device}, "
-                       f"act on {rollout_device}, amp {precision.dtype or 'off'}, {num_iterations} "
-                       f"iterations of {cfg.rollout_size} steps, minibatch {cfg.ppo.minibatch_size}, "
-                       f"micro-batch {sizes.micro}, inference chunk {sizes.chunk})")
+        if ctx.is_main:  # rank 0 alone logs and writes
+            run_dir.mkdir(parents=True, exist_ok=True)  # only now: bad input leaves nothing behind
+            if resume is None:
+                (run_dir / "config.yaml").write_text(to_yaml(cfg))
+            logger = Logger(run_dir, num_iterations * global_rollout, initial_step=global_step,
+                            tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
+            logger.message(f"visppo: {'resuming' if resume else 'run directory'} {run_dir}  (train on "
+                           f"{device}, act on {rollout_device}, amp {precision.dtype or 'off'}, "
+                           f"{num_iterations} iterations of {global_rollout} steps, minibatch "
+                           f"{ctx.world * cfg.ppo.minibatch_size}, micro-batch {sizes.micro}, inference "
+                           f"chunk {sizes.chunk}{processes_note(cfg, ctx)})")
         timer, recent, bad_in_a_row = PhaseTimer(), [], 0
         for iteration in range(first_iteration, num_iterations + 1):
             start = time.perf_counter()
@@ -161,20 +186,23 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
             policy.train()
             with timer("update"):
                 result = update(policy, optimizer, buffer, cfg.ppo, sizes, None, device, precision,
-                                generator, last_obs=last_obs, before_step=freeze)
-            global_step += cfg.rollout_size
+                                generator, last_obs=last_obs, before_step=freeze, ddp=ddp)
+            global_step += global_rollout
 
+            if ctx.enabled:  # every rank's episodes, for the logs
+                episodes = [e for part in distributed.all_gather(episodes) for e in part]
             recent = (recent + episodes)[-100:]
             scalars = iteration_scalars(iteration, episodes, recent, optimizer, result, timer.reset(),
-                                        cfg.rollout_size / (time.perf_counter() - start))
+                                        global_rollout / (time.perf_counter() - start))
             last = iteration == num_iterations
             if cfg.run.eval_every:  # the columns exist from the first row: the CSV header is fixed then
                 scalars.update({"eval/return": float("nan"), "eval/success": float("nan")})
-                if iteration % cfg.run.eval_every == 0 or last:
+                if ctx.is_main and (iteration % cfg.run.eval_every == 0 or last):
                     scalars.update(periodic_eval(policy, cfg, run_dir, iteration, device))
-            if iteration % cfg.run.log_every == 0 or last:
-                logger.log(global_step, scalars)
-            logger.progress(cfg.rollout_size, progress_line(scalars))
+            if ctx.is_main:
+                if iteration % cfg.run.log_every == 0 or last:
+                    logger.log(global_step, scalars)
+                logger.progress(global_rollout, progress_line(scalars))
 
             bad_in_a_row = result.trailing_skips if result.optimizer_steps else bad_in_a_row + result.skipped_steps
             if bad_in_a_row >= cfg.train.max_bad_steps:
@@ -183,15 +211,29 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
                                f"good checkpoint is kept in {run_dir / 'checkpoints'}: lower "
                                "ppo.learning_rate or try train.amp=off")
             if iteration % cfg.run.checkpoint_every == 0 or iteration == num_iterations:
-                save_checkpoint(run_dir, cfg, policy, optimizer, precision, generator, envs,
-                                iteration, global_step, sizes)
-        logger.close()
+                ranks = distributed.all_gather(rank_state(generator, envs)) if ctx.enabled else None
+                if ctx.is_main:
+                    save_checkpoint(run_dir, cfg, policy, optimizer, precision, generator, envs,
+                                    iteration, global_step, sizes, ranks)
+        if ctx.is_main:
+            logger.close()
     finally:
         envs.close()
+        if owns_group:
+            distributed.destroy()
     return run_dir
 
 
-def memory_sizes(cfg: Config, device: torch.device, resume: dict | None) -> MemorySizes:
+def processes_note(cfg: Config, ctx: distributed.Context) -> str:
+    """For the run's first line under torchrun: how the global sizes split over the processes."""
+    if not ctx.enabled:
+        return ""
+    return (f"; {ctx.world} processes, each {cfg.ppo.num_envs} envs x {cfg.ppo.num_steps} steps and "
+            f"minibatch {cfg.ppo.minibatch_size}")
+
+
+def memory_sizes(cfg: Config, device: torch.device, resume: dict | None,
+                 verbose: bool = True) -> MemorySizes:
     """The micro-batch and chunk sizes to start with: a resumed run keeps the ones it had
     (an OOM may have halved them); ``auto`` asks the probe for the largest under ``memory.budget``."""
     if resume is not None and resume.get("memory_sizes"):
@@ -203,8 +245,9 @@ def memory_sizes(cfg: Config, device: torch.device, resume: dict | None) -> Memo
         found = probe(cfg, cfg.memory.budget, str(device), mode="fake")
         micro = found.micro_batch_size if micro == "auto" else micro
         chunk = found.infer_chunk_size if chunk == "auto" else chunk
-        print(f"visppo: memory.budget {cfg.memory.budget} on {device}: micro-batch {micro}, "
-              f"inference chunk {chunk} (probe peak {found.peak_bytes / 2**30:.2f} GiB)")
+        if verbose:
+            print(f"visppo: memory.budget {cfg.memory.budget} on {device}: micro-batch {micro}, "
+                  f"inference chunk {chunk} (probe peak {found.peak_bytes / 2**30:.2f} GiB)")
     return MemorySizes(int(micro) or cfg.ppo.minibatch_size, int(chunk))
 
 
@@ -255,10 +298,19 @@ RESUMABLE = ("ppo.total_steps", "run.progress", "run.tensorboard", "run.log_ever
 """Keys a resumed run may change; everything else would make it a different run."""
 
 
+def rank_state(generator: torch.Generator, envs) -> dict:
+    """The states a process's own streams need to resume: RNGs, minibatch order, env episode counters."""
+    return {"rng": ckpt_io.rng_state(), "minibatch_generator": generator.get_state(),
+            "env_episodes": [int(e) for e in envs.get_attr("episode")]}
+
+
 def save_checkpoint(run_dir: Path, cfg: Config, policy: ActorCritic, optimizer: torch.optim.Optimizer,
                     precision, generator: torch.Generator, envs, iteration: int, global_step: int,
-                    sizes: MemorySizes | None = None) -> Path:
-    """Write ``checkpoints/iter_N.pt`` and ``latest.pt`` atomically; keep the last few numbered ones."""
+                    sizes: MemorySizes | None = None, ranks: list[dict] | None = None) -> Path:
+    """Write ``checkpoints/iter_N.pt`` and ``latest.pt`` atomically; keep the last few numbered ones.
+
+    ``ranks``: under torchrun, every rank's :func:`rank_state` (saved as ``ranks``, with ``world_size``).
+    """
     folder = run_dir / "checkpoints"
     state = {
         "model": policy.state_dict(),
@@ -267,11 +319,11 @@ def save_checkpoint(run_dir: Path, cfg: Config, policy: ActorCritic, optimizer: 
         "config": to_dict(cfg),
         "iteration": iteration,
         "global_step": global_step,
-        "rng": ckpt_io.rng_state(),
-        "minibatch_generator": generator.get_state(),
-        "env_episodes": [int(e) for e in envs.get_attr("episode")],
+        **rank_state(generator, envs),  # this process's (rank 0's)
         "memory_sizes": {"micro": sizes.micro, "chunk": sizes.chunk} if sizes else {},
     }
+    if ranks is not None:
+        state.update(world_size=len(ranks), ranks=ranks)
     numbered = folder / f"iter_{iteration:06d}.pt"
     for stale in folder.glob(".*.tmp"):  # left by a save that a kill interrupted
         stale.unlink(missing_ok=True)
@@ -303,6 +355,17 @@ def load_for_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] 
         raise ConfigError(f"ppo.total_steps={cfg.ppo.total_steps} is already reached (the run is at step "
                           f"{ckpt['global_step']}): raise it to train further")
     return cfg, ckpt
+
+
+def resume_for_rank(ckpt: dict, ctx: distributed.Context) -> dict:
+    """The checkpoint as this process resumes it: under torchrun, with its own rank's streams
+    (RNGs, minibatch order, env episodes); refused if the number of processes changed."""
+    saved = int(ckpt.get("world_size", 1))
+    if saved != ctx.world:
+        how = "without torchrun" if saved == 1 else f"with torchrun and {saved} processes in all"
+        raise ConfigError(f"this run was trained by {saved} process(es), not {ctx.world}: resume it {how} "
+                          "(another count would change the rollout and minibatch sizes)")
+    return {**ckpt, **ckpt["ranks"][ctx.rank]} if ctx.enabled else ckpt
 
 
 def restore(ckpt: dict, policy: ActorCritic, optimizer: torch.optim.Optimizer, precision,

@@ -1,0 +1,180 @@
+"""Several processes, one policy: the ``torch.distributed`` plumbing behind ``torchrun``.
+
+``torchrun --nproc_per_node=N -m visppo train ...`` starts N copies of the command with
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and the rendezvous address in
+their environment. :class:`Context` reads them. Without them (a plain ``visppo train``) the
+world is one process and nothing here runs: no process group, no DDP wrapper.
+
+Each rank collects its own rollout with its own envs and seeds; DistributedDataParallel
+averages the gradients; the statistics that define the maths (the minibatch's advantage
+mean and std, approx-KL for early stopping) are all-reduced by the helpers below, episode
+statistics gathered for logging. Apart from the error type, imports nothing of visppo.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from visppo.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Context:
+    """This process's place in the run: its rank among ``world`` processes, and on its machine."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    local_world: int = 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Context:
+        """Read torchrun's variables; a world of one when they are absent."""
+        env = os.environ if env is None else env
+        if "WORLD_SIZE" not in env:
+            return cls()
+        try:
+            world = int(env["WORLD_SIZE"])
+            rank = int(env.get("RANK", "0"))
+            local_rank = int(env.get("LOCAL_RANK", str(rank)))
+            local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+        except ValueError:
+            raise ConfigError("RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE must be whole numbers: "
+                              "let torchrun set them") from None
+        if world < 1 or not 0 <= rank < world or not 0 <= local_rank < local_world:
+            raise ConfigError(f"RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local_rank} "
+                              f"LOCAL_WORLD_SIZE={local_world} do not fit together: let torchrun set them")
+        return cls(rank, world, local_rank, local_world)
+
+    @property
+    def enabled(self) -> bool:
+        """More than one process: a process group, DDP, all-reduced statistics."""
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that logs, writes checkpoints and videos."""
+        return self.rank == 0
+
+    def place(self, device: torch.device, key: str = "train.device") -> torch.device:
+        """This rank's device: ``cuda`` becomes ``cuda:LOCAL_RANK`` (one GPU per process)."""
+        if not self.enabled or device.type != "cuda":
+            return device
+        if device.index is not None:
+            if self.local_world > 1:
+                raise ConfigError(f"{key}={device} would put all {self.local_world} processes of this "
+                                  f"machine on one GPU: use {key}=cuda (process r takes GPU LOCAL_RANK)")
+            return device
+        count = torch.cuda.device_count()
+        if count < self.local_world:
+            raise ConfigError(f"{key}=cuda needs one GPU per process: {self.local_world} processes on this "
+                              f"machine but {count} GPU(s): use --nproc_per_node={count} or {key}=cpu")
+        return torch.device("cuda", self.local_rank)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s random streams: ``seed`` itself on rank 0 (which then draws
+    what a single process would), an independent one derived from it on the others."""
+    if rank == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
+def init(ctx: Context, device: torch.device, timeout: timedelta | None = None) -> bool:
+    """Join the process group: NCCL when ``device`` is a GPU, gloo on CPUs. Returns True when
+    this call created it (then :func:`destroy` it at the end), False when alone or already in one."""
+    if not ctx.enabled or dist.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"rank": ctx.rank, "world_size": ctx.world}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device, **kwargs)
+        else:
+            dist.init_process_group("gloo", **kwargs)
+    except ValueError as exc:  # env:// without MASTER_ADDR / MASTER_PORT
+        raise ConfigError(f"cannot join the other processes ({str(exc).splitlines()[0][:160]}): "
+                          "launch with torchrun, which sets the rendezvous address") from None
+    return True
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                   else {"broadcast_buffers": False})
+"""The policy's buffers never change while training (BatchNorm stays in eval mode): no
+broadcast before every forward. DDP's constructor still copies rank 0's parameters and buffers."""
+
+
+def wrap(module: nn.Module, device: torch.device, find_unused: bool = False,
+         bucket_cap_mb: float | None = None) -> DistributedDataParallel:
+    """``module`` in DistributedDataParallel: backward passes through its ``forward`` average the
+    gradients over the ranks (under ``no_sync()`` they only accumulate).
+
+    ``find_unused`` is needed when some parameters get no gradient in a pass (an encoder
+    trunk that the freeze schedule runs under no_grad): DDP then looks for them after every
+    forward instead of waiting for their gradients forever.
+    """
+    return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
+                                   find_unused_parameters=find_unused, bucket_cap_mb=bucket_cap_mb,
+                                   **_NO_BUFFER_SYNC)
+
+
+def _comm_device() -> torch.device:
+    """Where tensors for collectives must live: the current GPU with NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def mean_std(x: torch.Tensor) -> tuple[float, float, int]:
+    """Mean, unbiased standard deviation and count of ``x`` over every rank's share of it:
+    one all-reduce of (sum, sum of squares, count), in float64."""
+    x = x.detach().to(_comm_device(), torch.float64)
+    totals = torch.stack([x.sum(), (x * x).sum(), torch.tensor(float(x.numel()), dtype=torch.float64,
+                                                                device=x.device)])
+    dist.all_reduce(totals)
+    total, squares, n = totals.tolist()
+    mean = total / n if n else float("nan")
+    var = max(squares - n * mean * mean, 0.0) / (n - 1) if n > 1 else float("nan")
+    return mean, math.sqrt(var), int(n)
+
+
+def mean_over_ranks(values: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
+    """Each value averaged over the ranks (the keys, in the same order on every rank): one all-reduce."""
+    keys = list(values)
+    stacked = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(stacked)
+    return {k: v / dist.get_world_size() for k, v in zip(keys, stacked.tolist())}
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -149,3 +149,21 @@ def test_a_run_survives_injected_ooms_and_matches_a_run_started_at_the_smaller_s
 
 def _final_params_of(run_dir):
     return torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)["model"]
+
+
+def test_phase_times_are_logged_and_profile_records_one_iteration(tmp_path):
+    import gzip
+    import json
+
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"ppo.total_steps": 256, "train.profile": True}))
+    run_dir = train(cfg)
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    assert len(rows) == 4
+    for phase in ("collect", "score", "update", "log"):
+        assert all(float(r[f"time/{phase}"]) >= 0 for r in rows), phase
+    assert float(rows[0]["time/log"]) == 0.0 and float(rows[-1]["time/log"]) > 0  # the previous iteration's
+    traces = list((run_dir / "profile").glob("*.pt.trace.json*"))
+    assert len(traces) == 1
+    raw = traces[0].read_bytes()
+    names = {e.get("name") for e in json.loads(gzip.decompress(raw) if traces[0].suffix == ".gz" else raw)["traceEvents"]}
+    assert {"collect", "score", "update", "log"} <= names

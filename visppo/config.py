@@ -167,6 +167,8 @@ class TrainConfig:
     """torch intra-op threads; 0 keeps torch's default."""
     max_bad_steps: int = 10
     """Stop the run after this many optimizer steps in a row with a non-finite loss or gradient."""
+    profile: bool = False
+    """Record the third iteration with torch.profiler into <run>/profile/ (a Chrome trace for Perfetto or TensorBoard)."""
 
 
 @dataclass

@@ -185,7 +185,7 @@ def use_async(cfg: Config) -> bool:
     return cfg.env.vector == "async"
 
 
-def _thunk(cfg: Config, index: int):
+def _thunk(cfg: Config):
     def make() -> gym.Env:
         return make_env(cfg)
     return make
@@ -197,7 +197,7 @@ def make_vector_env(cfg: Config, num_envs: int | None = None) -> gym.vector.Vect
     n = num_envs or cfg.ppo.num_envs
     if use_async(cfg):
         make_env(cfg).close()  # fail here, with a clear error, rather than in n workers
-    fns = [_thunk(cfg, i) for i in range(n)]
+    fns = [_thunk(cfg) for _ in range(n)]
     mode = gym.vector.AutoresetMode.SAME_STEP
     if use_async(cfg):
         ctx = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"

@@ -10,11 +10,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 
 class PhaseTimer:
-    """Wall time per named phase (collect, score, update, ...) since the last ``reset``."""
+    """Wall time per named phase (collect, score, update, ...) since the last ``reset``.
+
+    Each phase is also a ``torch.profiler.record_function`` range, so a profiler
+    trace shows the same phases (the range costs nothing when nobody profiles).
+    """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -23,13 +28,26 @@ class PhaseTimer:
     def __call__(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(phase):
+                yield
         finally:
             self.seconds[phase] += time.perf_counter() - start
 
     def reset(self) -> dict[str, float]:
         out, self.seconds = dict(self.seconds), defaultdict(float)
         return out
+
+
+def iteration_profiler(run_dir: Path) -> torch.profiler.profile:
+    """A profiler that records the third iteration it is stepped through (one skipped, one warm-up)
+    and writes its trace to ``run_dir/profile/``. Call ``start()``, ``step()`` after every
+    iteration, ``stop()`` at the end."""
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    return profile(activities=activities, schedule=schedule(skip_first=1, wait=0, warmup=1, active=1, repeat=1),
+                   on_trace_ready=tensorboard_trace_handler(str(run_dir / "profile")),
+                   record_shapes=True, profile_memory=True)
 
 
 class Logger:

@@ -23,7 +23,7 @@ from visppo.buffer import RolloutBuffer
 from visppo.config import Config, ConfigError, RunError, build_config, to_dict, to_yaml
 from visppo.encoders import FreezeSchedule
 from visppo.envs import check_env_id, make_vector_env
-from visppo.metrics import Logger, PhaseTimer
+from visppo.metrics import Logger, PhaseTimer, iteration_profiler
 from visppo.policy import ActorCritic
 from visppo.ppo import Evaluate, MemorySizes, resolve_precision, score_rollout, update
 from visppo.rollout import ActingCopy, RolloutState, collect, to_torch
@@ -167,8 +167,11 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
                            f"{ctx.world * cfg.ppo.minibatch_size}, micro-batch {sizes.micro}, inference "
                            f"chunk {sizes.chunk}{processes_note(cfg, ctx)})")
         timer, recent, bad_in_a_row = PhaseTimer(), [], 0
+        profiler = iteration_profiler(run_dir) if cfg.train.profile and ctx.is_main else None
+        if profiler is not None:
+            profiler.start()
+        mark = time.perf_counter()  # steps/s spans a whole iteration: the previous one's logging too
         for iteration in range(first_iteration, num_iterations + 1):
-            start = time.perf_counter()
             if cfg.ppo.anneal_lr:
                 for group in optimizer.param_groups:
                     base = group.get("initial_lr", cfg.ppo.learning_rate)  # per group: keeps encoder_lr_scale
@@ -192,29 +195,36 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
             if ctx.enabled:  # every rank's episodes, for the logs
                 episodes = [e for part in distributed.all_gather(episodes) for e in part]
             recent = (recent + episodes)[-100:]
+            now = time.perf_counter()
             scalars = iteration_scalars(iteration, episodes, recent, optimizer, result, timer.reset(),
-                                        global_rollout / (time.perf_counter() - start))
+                                        global_rollout / (now - mark))
+            mark = now
             last = iteration == num_iterations
-            if cfg.run.eval_every:  # the columns exist from the first row: the CSV header is fixed then
-                scalars.update({"eval/return": float("nan"), "eval/success": float("nan")})
-                if ctx.is_main and (iteration % cfg.run.eval_every == 0 or last):
-                    scalars.update(periodic_eval(policy, cfg, run_dir, iteration, device))
-            if ctx.is_main:
-                if iteration % cfg.run.log_every == 0 or last:
-                    logger.log(global_step, scalars)
-                logger.progress(global_rollout, progress_line(scalars))
-
-            bad_in_a_row = result.trailing_skips if result.optimizer_steps else bad_in_a_row + result.skipped_steps
-            if bad_in_a_row >= cfg.train.max_bad_steps:
-                raise RunError(f"training diverged: {bad_in_a_row} optimizer steps in a row had a non-finite "
-                               f"loss or gradient (train.max_bad_steps={cfg.train.max_bad_steps}); the last "
-                               f"good checkpoint is kept in {run_dir / 'checkpoints'}: lower "
-                               "ppo.learning_rate or try train.amp=off")
-            if iteration % cfg.run.checkpoint_every == 0 or iteration == num_iterations:
-                ranks = distributed.all_gather(rank_state(generator, envs)) if ctx.enabled else None
+            with timer("log"):  # eval, logging, checkpoint: in the next row's time/log
+                if cfg.run.eval_every:  # the columns exist from the first row: the CSV header is fixed then
+                    scalars.update({"eval/return": float("nan"), "eval/success": float("nan")})
+                    if ctx.is_main and (iteration % cfg.run.eval_every == 0 or last):
+                        scalars.update(periodic_eval(policy, cfg, run_dir, iteration, device))
                 if ctx.is_main:
-                    save_checkpoint(run_dir, cfg, policy, optimizer, precision, generator, envs,
-                                    iteration, global_step, sizes, ranks)
+                    if iteration % cfg.run.log_every == 0 or last:
+                        logger.log(global_step, scalars)
+                    logger.progress(global_rollout, progress_line(scalars))
+
+                bad_in_a_row = result.trailing_skips if result.optimizer_steps else bad_in_a_row + result.skipped_steps
+                if bad_in_a_row >= cfg.train.max_bad_steps:
+                    raise RunError(f"training diverged: {bad_in_a_row} optimizer steps in a row had a non-finite "
+                                   f"loss or gradient (train.max_bad_steps={cfg.train.max_bad_steps}); the last "
+                                   f"good checkpoint is kept in {run_dir / 'checkpoints'}: lower "
+                                   "ppo.learning_rate or try train.amp=off")
+                if iteration % cfg.run.checkpoint_every == 0 or iteration == num_iterations:
+                    ranks = distributed.all_gather(rank_state(generator, envs)) if ctx.enabled else None
+                    if ctx.is_main:
+                        save_checkpoint(run_dir, cfg, policy, optimizer, precision, generator, envs,
+                                        iteration, global_step, sizes, ranks)
+            if profiler is not None:
+                profiler.step()
+        if profiler is not None:
+            profiler.stop()
         if ctx.is_main:
             logger.close()
     finally:
@@ -270,7 +280,9 @@ def periodic_eval(policy: ActorCritic, cfg: Config, run_dir: Path, iteration: in
 def iteration_scalars(iteration: int, episodes: list[dict], recent: list[dict],
                       optimizer: torch.optim.Optimizer, result, seconds: dict[str, float],
                       steps_per_second: float) -> dict[str, float]:
-    """One row of metrics.csv: episode stats over the last 100 episodes, losses, phase times."""
+    """One row of metrics.csv: episode stats over the last 100 episodes, losses, phase times
+    (``time/log`` is the previous iteration's eval, logging and checkpoint: 0 in the first row)."""
+    seconds = {**seconds, "log": seconds.get("log", 0.0)}
     return {
         "iteration": iteration,
         "episode_return": _mean(e["return"] for e in recent),

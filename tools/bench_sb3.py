@@ -1,0 +1,78 @@
+"""The reference point of issue 7: Stable-Baselines3's PPO on pixel Reacher-v5, timed here.
+
+    pip install stable-baselines3   # for this script only; visppo does not need it
+    python tools/bench_sb3.py [--iterations 6] [--repeats 3] [--threads 0]
+
+SB3's ``PPO("CnnPolicy")`` (Nature CNN, 512 features, shared by actor and
+critic) on Reacher-v5 rendered to 84x84 RGB (the same env stack visppo builds
+for ``env.id=Reacher-v5 env.pixels=true``: gymnasium's AddRenderObservation),
+2 envs in SubprocVecEnv workers (forkserver), 256 steps per env, minibatch 64,
+4 epochs. Prints end-to-end env steps/s: the median over iterations (the first
+left out) of each run, then the median over runs. Compare with
+
+    python tools/bench.py configs/reacher_pixels.yaml
+
+which trains visppo with the same sizes and network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+
+def make_env():
+    import gymnasium as gym
+
+    env = gym.make("Reacher-v5", render_mode="rgb_array", width=84, height=84)
+    return gym.wrappers.AddRenderObservation(env, render_only=True)
+
+
+def run(iterations: int, threads: int) -> float:
+    import torch
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.vec_env import SubprocVecEnv
+
+    if threads:
+        torch.set_num_threads(threads)
+
+    class IterationClock(BaseCallback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.starts: list[float] = []
+
+        def _on_rollout_start(self) -> None:
+            self.starts.append(time.perf_counter())
+
+        def _on_step(self) -> bool:
+            return True
+
+    envs = SubprocVecEnv([make_env, make_env], start_method="forkserver")
+    try:
+        model = PPO("CnnPolicy", envs, n_steps=256, batch_size=64, n_epochs=4, seed=0, device="cpu", verbose=0)
+        clock = IterationClock()
+        model.learn(total_timesteps=(iterations + 1) * 512, callback=clock)
+    finally:
+        envs.close()
+    durations = [b - a for a, b in zip(clock.starts, clock.starts[1:])][1:]  # drop the warm-up
+    return statistics.median(512 / d for d in durations)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=6, help="timed iterations of 512 steps per run (6)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs; the median is printed (3)")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0: torch's default")
+    ns = parser.parse_args()
+    rates = [run(ns.iterations, ns.threads) for _ in range(ns.repeats)]
+    print(f"SB3 PPO CnnPolicy, pixel Reacher-v5 84x84, 2 envs x 256 steps, minibatch 64, 4 epochs: "
+          f"{statistics.median(rates):.0f} steps/s end to end (runs: {', '.join(f'{r:.0f}' for r in rates)})")
+
+
+if __name__ == "__main__":
+    main()

@@ -80,3 +80,21 @@ def test_episodes_are_seeded_from_the_base_seed_and_their_index():
     replay, _ = b.reset(seed=7)
     assert np.array_equal(replay["pixels"], second["pixels"])
     assert not np.array_equal(first["pixels"], second["pixels"])
+
+
+def test_a_gymnasium_pixel_env_then_an_optimizer_does_not_crash(tmp_path):
+    """Regression: Reacher-v5's renderer made an EGL context in the parent (Mesa's LLVM), then the
+    first optimizer imported triton's LLVM and the process segfaulted. A fresh process, as in training."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from visppo.config import load_config\n"
+            "from visppo.envs import make_vector_env\n"
+            "cfg = load_config(None, ['env.id=Reacher-v5', 'env.pixels=true', 'env.image_size=48',\n"
+            "                         'ppo.num_envs=1', 'ppo.minibatch_size=32', 'env.vector=sync'])\n"
+            "envs = make_vector_env(cfg); envs.reset(seed=0)\n"
+            "torch.optim.Adam([torch.zeros(1, requires_grad=True)])\n"
+            "envs.close(); print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stderr[-1500:])

@@ -191,9 +191,22 @@ def _thunk(cfg: Config):
     return make
 
 
+def preload_before_gl() -> None:
+    """Import ``torch._dynamo`` before this process makes a GL context.
+
+    The first optimizer imports it, and it loads triton's LLVM; loaded after
+    Mesa's llvmpipe (the first headless EGL context, e.g. gymnasium's renderer
+    building the check env below), the two LLVMs collide and the process
+    segfaults (seen here with Reacher-v5 from pixels). Workers never build an
+    optimizer, so only the parent pays for the import.
+    """
+    import torch._dynamo  # noqa: F401
+
+
 def make_vector_env(cfg: Config, num_envs: int | None = None) -> gym.vector.VectorEnv:
     """``num_envs`` copies with SAME_STEP autoreset, async in forkserver workers when it pays."""
     check_env_id(cfg.env.id)
+    preload_before_gl()
     n = num_envs or cfg.ppo.num_envs
     if use_async(cfg):
         make_env(cfg).close()  # fail here, with a clear error, rather than in n workers

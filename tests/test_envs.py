@@ -98,3 +98,29 @@ def test_a_gymnasium_pixel_env_then_an_optimizer_does_not_crash(tmp_path):
             "envs.close(); print('ok')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stderr[-1500:])
+
+
+def test_render_samples_turns_off_a_mujoco_envs_anti_aliasing_before_its_first_frame():
+    from visppo.envs import preload_before_gl
+
+    preload_before_gl()  # this process may build an optimizer after the GL context (see the test above)
+    base = ["env.id=Reacher-v5", "env.pixels=true", "env.image_size=48"]
+    frames, samples = [], []
+    for extra in ([], ["env.render_samples=0"]):  # one GL context at a time
+        env = make_env(load_config(None, base + extra))
+        try:
+            obs, _ = env.reset(seed=3)
+            frames.append(obs["pixels"].astype(int))
+            samples.append(env.unwrapped.mujoco_renderer._get_viewer("rgb_array").con.offSamples)
+        finally:
+            env.close()
+    assert samples == [4, 0]  # Reacher-v5's own, then ours: set before the first frame built the context
+    diff = np.abs(frames[0] - frames[1])
+    assert frames[1].mean() > 20 and 0 < diff.mean() < 5.0  # only edges change, not the scene
+
+
+def test_render_samples_is_refused_for_an_env_that_is_not_mujoco():
+    with pytest.raises(ConfigError, match="env.render_samples"):
+        make_env(load_config(None, [DOT, "env.render_samples=0"]))
+    with pytest.raises(ConfigError, match="env.render_samples"):
+        load_config(None, [DOT, "env.render_samples=-2"])

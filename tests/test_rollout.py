@@ -146,3 +146,72 @@ def test_acting_copy_equals_the_policy_after_sync_and_only_then():
     assert all(torch.equal(a, b) for a, b in zip(acting.module.parameters(), policy.parameters()))
     assert acting.syncs == 1
     assert all(not p.requires_grad for p in acting.module.parameters())
+
+
+class ObsPolicy:
+    """Deterministic: action, log-prob and value are functions of the frame, so two rollouts that
+    see the same observations fill the same buffer, whatever order the envs are stepped in."""
+
+    def __init__(self, act_dim: int, calls: list | None = None):
+        self.act_dim, self.calls = act_dim, calls
+
+    def act(self, obs):
+        level = obs["pixels"].float().mean(dim=(1, 2, 3)) / 255.0
+        if self.calls is not None:
+            self.calls.append(f"act {level.shape[0]}")
+        return (level[:, None] - 0.5).expand(-1, self.act_dim).clone(), level * 2, level * 3
+
+    def value(self, obs):
+        return obs["pixels"].float().mean(dim=(1, 2, 3)) / 255.0 * 3
+
+
+def _collect_dot(overlap: bool, calls: list | None = None):
+    from visppo.config import load_config
+    from visppo.envs import AlternatingHalves, make_vector_env
+
+    cfg = load_config(None, ["env.id=visppo/DotReach-v0", "ppo.num_envs=5", "env.vector=async",
+                             "env.max_episode_steps=4", f"rollout.overlap={str(overlap).lower()}"])
+    envs = make_vector_env(cfg)
+    try:
+        assert isinstance(envs, AlternatingHalves) == overlap
+        if calls is not None:  # log when each half is sent and waited for
+            for name, half in zip("AB", envs.halves):
+                for method in ("step_async", "step_wait"):
+                    def logged(*args, _f=getattr(half, method), _tag=f"{method} {name}"):
+                        calls.append(_tag)
+                        return _f(*args)
+                    setattr(half, method, logged)
+        buf = RolloutBuffer(9, 5, envs.single_observation_space, envs.single_action_space)
+        state = RolloutState.start(envs, seed=3)
+        episodes = collect(envs, ObsPolicy(envs.single_action_space.shape[0], calls), buf, state,
+                           torch.device("cpu"))
+        counts = envs.get_attr("episode")
+        envs.set_attr("episode", [7, 8, 9, 10, 11])  # as a resume restores them
+        assert tuple(envs.get_attr("episode")) == (7, 8, 9, 10, 11)
+        return buf, episodes, state, counts
+    finally:
+        envs.close()
+
+
+def test_overlapped_halves_fill_the_same_rollout_as_one_vector_env():
+    plain, plain_eps, plain_state, plain_counts = _collect_dot(overlap=False)
+    halves, halves_eps, halves_state, halves_counts = _collect_dot(overlap=True)
+    assert plain.truncated.any()  # episodes ended mid-rollout: bootstraps and resets are covered
+    for name in ("actions", "logp", "values", "rewards", "terminated", "truncated", "final_values"):
+        assert torch.equal(getattr(plain, name), getattr(halves, name)), name
+    for key in plain.obs:
+        assert torch.equal(plain.obs[key], halves.obs[key]), key
+    key = lambda e: (e["return"], e["length"])  # noqa: E731
+    assert sorted(plain_eps, key=key) == sorted(halves_eps, key=key)
+    assert all(np.array_equal(plain_state.obs[k], halves_state.obs[k]) for k in plain_state.obs)
+    assert np.array_equal(plain_state.episode_return, halves_state.episode_return)
+    assert plain_counts == halves_counts  # per-env episode counters, which checkpoints save
+
+
+def test_the_policy_acts_on_one_half_while_the_other_half_steps():
+    calls: list[str] = []
+    _collect_dot(overlap=True, calls=calls)
+    # half A (2 envs) is sent, then B (3 envs) acts and is sent before A is waited for, and so on
+    assert calls[:8] == ["act 2", "step_async A", "act 3", "step_async B",
+                         "step_wait A", "act 2", "step_async A", "step_wait B"]
+    assert calls.count("step_wait A") == calls.count("step_wait B") == 9

@@ -1,7 +1,7 @@
 """The reference point of issue 7: Stable-Baselines3's PPO on pixel Reacher-v5, timed here.
 
     pip install stable-baselines3   # for this script only; visppo does not need it
-    python tools/bench_sb3.py [--iterations 6] [--repeats 3] [--threads 0]
+    python tools/bench_sb3.py [--iterations 6] [--repeats 3] [--threads 0] [--render-samples -1]
 
 SB3's ``PPO("CnnPolicy")`` (Nature CNN, 512 features, shared by actor and
 critic) on Reacher-v5 rendered to 84x84 RGB (the same env stack visppo builds
@@ -18,6 +18,7 @@ which trains visppo with the same sizes and network.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -25,14 +26,16 @@ import time
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 
-def make_env():
+def make_env(render_samples: int = -1):
     import gymnasium as gym
 
     env = gym.make("Reacher-v5", render_mode="rgb_array", width=84, height=84)
+    if render_samples >= 0:  # as visppo's env.render_samples: before the first frame builds the context
+        env.unwrapped.model.vis.quality.offsamples = render_samples
     return gym.wrappers.AddRenderObservation(env, render_only=True)
 
 
-def run(iterations: int, threads: int) -> float:
+def run(iterations: int, threads: int, render_samples: int) -> float:
     import torch
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
@@ -52,7 +55,8 @@ def run(iterations: int, threads: int) -> float:
         def _on_step(self) -> bool:
             return True
 
-    envs = SubprocVecEnv([make_env, make_env], start_method="forkserver")
+    make = functools.partial(make_env, render_samples)
+    envs = SubprocVecEnv([make, make], start_method="forkserver")
     try:
         model = PPO("CnnPolicy", envs, n_steps=256, batch_size=64, n_epochs=4, seed=0, device="cpu", verbose=0)
         clock = IterationClock()
@@ -68,9 +72,12 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=6, help="timed iterations of 512 steps per run (6)")
     parser.add_argument("--repeats", type=int, default=3, help="runs; the median is printed (3)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0: torch's default")
+    parser.add_argument("--render-samples", type=int, default=-1,
+                        help="anti-aliasing samples of the renderer, as visppo's env.render_samples; -1: the env's own")
     ns = parser.parse_args()
-    rates = [run(ns.iterations, ns.threads) for _ in range(ns.repeats)]
-    print(f"SB3 PPO CnnPolicy, pixel Reacher-v5 84x84, 2 envs x 256 steps, minibatch 64, 4 epochs: "
+    rates = [run(ns.iterations, ns.threads, ns.render_samples) for _ in range(ns.repeats)]
+    print(f"SB3 PPO CnnPolicy, pixel Reacher-v5 84x84 (render samples {ns.render_samples}), 2 envs x 256 steps, "
+          f"minibatch 64, 4 epochs: "
           f"{statistics.median(rates):.0f} steps/s end to end (runs: {', '.join(f'{r:.0f}' for r in rates)})")
 
 

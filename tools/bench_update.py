@@ -4,16 +4,19 @@
     python tools/bench_update.py env.image_size=84 env.frame_stack=3
     python tools/bench_update.py configs/dot_reach.yaml --micro 32,0 --amp off --json out.json
 
-The rollout buffer is filled with random uint8 frames and random
-actions / log-probs / values / advantages / returns (no env stepping), then
+The rollout buffer is filled with random uint8 frames and random actions /
+log-probs / values / advantages / returns (no env stepping), then
 ``visppo.ppo.update`` runs one epoch over it (``ppo.num_epochs=1``, early
 stopping off). Each row is the median of ``--repeats`` timed runs after one
-warm-up, as update samples/s (samples = rollout size), its ratio to the first
-row, and the peak memory of one update measured in a separate, untimed run
-(tracking slows every op). The first row is the baseline a plain PPO would
-run: fp32, NCHW, the whole minibatch in one backward. Peak memory counts what
-the update allocates (gradients, gathered batches, activations), not the
-parameters and optimizer state that exist before it (shown in the header).
+warm-up, the rows' runs interleaved (row 1, row 2, ..., row 1, ...), as update
+samples/s (samples = rollout size), its ratio to the first row, and the peak
+memory of one update measured in a separate, untimed run (tracking slows every
+op). The first row is the baseline a plain PPO would run: fp32, NCHW, the whole
+minibatch in one backward, torch's default Adam (a per-parameter loop on CPU);
+the second row swaps in visppo's fused Adam, and the rest also use the config's
+layout (``train.channels_last``). Peak memory counts what the update allocates
+(gradients, gathered batches, activations), not the parameters and optimizer
+state that exist before it (shown in the header).
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ import torch
 
 from visppo.buffer import RolloutBuffer
 from visppo.config import Config, UserError, load_config
-from visppo.envs import make_env
+from visppo.envs import make_env, preload_before_gl
 from visppo.memory import format_bytes, peak_bytes
 from visppo.ppo import Precision, resolve_precision, update
-from visppo.train import build_policy, resolve_device
+from visppo.train import build_optimizer, build_policy, resolve_device
 
 DEFAULT_OVERRIDES = ["ppo.minibatch_size=256"]
 
@@ -92,6 +95,7 @@ class Row:
     name: str
     amp: str
     channels_last: bool
+    fused_adam: bool
     micro_batch_size: int
     seconds: list[float]
     samples_per_second: float
@@ -100,37 +104,39 @@ class Row:
     ratio: float = 1.0
 
 
-def bench_row(cfg: Config, name: str, amp: str, channels_last: bool, micro: int, device: torch.device,
-              obs_space, action_space, buffer: RolloutBuffer, repeats: int) -> Row:
-    precision: Precision = resolve_precision(amp, device)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, channels_last=channels_last))
-    torch.manual_seed(cfg.train.seed)
-    policy = build_policy(cfg, obs_space, action_space, device, load_weights=False)
-    policy.train()
-    optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps)
-    ppo_cfg = dataclasses.replace(cfg.ppo, num_epochs=1, target_kl=0.0)
-    generator = torch.Generator().manual_seed(cfg.train.seed)
-    micro_size = micro or cfg.ppo.minibatch_size
+class Setup:
+    """One row's policy, optimizer and update call, built before any timing."""
 
-    def run():
-        return update(policy, optimizer, buffer, ppo_cfg, micro_size, cfg.memory.infer_chunk_size,
-                      device, precision, generator)
+    def __init__(self, cfg: Config, name: str, amp: str, channels_last: bool, fused: bool, micro: int,
+                 device: torch.device, obs_space, action_space, buffer: RolloutBuffer):
+        self.name, self.amp, self.channels_last, self.fused, self.device = name, amp, channels_last, fused, device
+        precision: Precision = resolve_precision(amp, device)  # ValueError: not on this device
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, channels_last=channels_last))
+        torch.manual_seed(cfg.train.seed)
+        policy = build_policy(cfg, obs_space, action_space, device, load_weights=False)
+        policy.train()
+        optimizer = (build_optimizer(cfg, policy) if fused  # visppo's: fused Adam
+                     else torch.optim.Adam(policy.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps))
+        ppo_cfg = dataclasses.replace(cfg.ppo, num_epochs=1, target_kl=0.0)
+        generator = torch.Generator().manual_seed(cfg.train.seed)
+        self.micro = micro or cfg.ppo.minibatch_size
+        self.run = lambda: update(policy, optimizer, buffer, ppo_cfg, self.micro, cfg.memory.infer_chunk_size,
+                                  device, precision, generator)
+        self.seconds: list[float] = []
+        self.skipped = self.run().skipped_steps  # warm-up: also creates the Adam state, so peaks exclude it
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    skipped = run().skipped_steps  # warm-up: also creates the Adam state, so peaks exclude it
-    seconds = []
-    for _ in range(repeats):
-        sync()
+    def time_once(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        skipped += run().skipped_steps
-        sync()
-        seconds.append(time.perf_counter() - start)
-    peak = peak_bytes(run, device)
-    return Row(name, amp, channels_last, micro_size, seconds,
-               buffer.size / statistics.median(seconds), peak, skipped)
+        self.skipped += self.run().skipped_steps
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds.append(time.perf_counter() - start)
+
+    def row(self, buffer: RolloutBuffer) -> Row:
+        return Row(self.name, self.amp, self.channels_last, self.fused, self.micro, self.seconds,
+                   buffer.size / statistics.median(self.seconds), peak_bytes(self.run, self.device), self.skipped)
 
 
 def state_bytes(cfg: Config, obs_space, action_space, device: torch.device) -> tuple[int, int]:
@@ -141,14 +147,15 @@ def state_bytes(cfg: Config, obs_space, action_space, device: torch.device) -> t
 
 
 def table(rows: list[Row]) -> str:
-    head = ("row", "amp", "layout", "micro", "samples/s", "vs first", "update peak", "median s")
-    lines = [[r.name, r.amp, "NHWC" if r.channels_last else "NCHW", str(r.micro_batch_size),
+    head = ("row", "amp", "layout", "adam", "micro", "samples/s", "vs first", "update peak", "median s")
+    lines = [[r.name, r.amp, "NHWC" if r.channels_last else "NCHW", "fused" if r.fused_adam else "loop",
+              str(r.micro_batch_size),
               f"{r.samples_per_second:.0f}", f"{r.ratio:.2f}x", format_bytes(r.peak_bytes),
               f"{statistics.median(r.seconds):.3f}"] for r in rows]
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
 
     def fmt(cells: list[str] | tuple[str, ...]) -> str:  # text left, numbers right
-        return "  ".join(c.rjust(w) if i >= 3 else c.ljust(w)
+        return "  ".join(c.rjust(w) if i >= 4 else c.ljust(w)
                          for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
 
     out = [fmt(head), fmt(["-" * w for w in widths])]
@@ -172,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
 
+    preload_before_gl()  # before a gymnasium renderer's GL context, as training does
     obs_space, action_space = spaces(cfg)
     buffer = random_buffer(cfg, obs_space, action_space, torch.Generator().manual_seed(cfg.train.seed))
     params, adam = state_bytes(cfg, obs_space, action_space, device)
@@ -182,25 +190,28 @@ def main(argv: list[str] | None = None) -> int:
           f"buffer {format_bytes(buffer.nbytes())} (host); median of {ns.repeats} runs after 1 warm-up",
           flush=True)
 
-    plan = [("baseline", "off", False, 0)]
-    plan += [(f"micro={m or 'mb'}", amp, cfg.train.channels_last, m) for amp in amps for m in micros]
-    rows: list[Row] = []
-    for name, amp, channels_last, micro in plan:
+    plan = [("baseline", "off", False, False, 0), ("fused Adam", "off", False, True, 0)]
+    plan += [(f"micro={m or 'mb'}", amp, cfg.train.channels_last, True, m) for amp in amps for m in micros]
+    setups: list[Setup] = []
+    for name, amp, channels_last, fused, micro in plan:
         if micro > cfg.ppo.minibatch_size:
             print(f"  skip {name} {amp}: micro-batch {micro} > minibatch {cfg.ppo.minibatch_size}")
             continue
         try:
-            row = bench_row(cfg, name, amp, channels_last, micro, device, obs_space, action_space,
-                            buffer, ns.repeats)
+            setups.append(Setup(cfg, name, amp, channels_last, fused, micro, device, obs_space, action_space,
+                                buffer))
         except ValueError as exc:  # e.g. fp16 on the CPU
             print(f"  skip {name} {amp}: {exc}")
-            continue
+    for _ in range(ns.repeats):  # rows interleaved, so a slow minute of the machine hits them all
+        for setup in setups:
+            setup.time_once()
+    rows: list[Row] = []
+    for setup in setups:
+        row = setup.row(buffer)
         row.ratio = row.samples_per_second / rows[0].samples_per_second if rows else 1.0
         rows.append(row)
-        warn = f"  ({row.skipped_steps} non-finite steps skipped)" if row.skipped_steps else ""
-        print(f"  {name:<10} amp={amp:<4} {'NHWC' if channels_last else 'NCHW'}  "
-              f"{row.samples_per_second:8.0f} samples/s  peak {format_bytes(row.peak_bytes)}{warn}",
-              flush=True)
+        if row.skipped_steps:
+            print(f"  {row.name} {row.amp}: {row.skipped_steps} non-finite steps skipped")
     print()
     print(table(rows))
     if ns.json:

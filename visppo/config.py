@@ -57,6 +57,8 @@ class EnvConfig:
     """Times each action is repeated in the env; rewards are summed."""
     camera: str = ""
     """Camera name for gymnasium MuJoCo ids (empty: the env's default camera)."""
+    render_samples: int = -1
+    """Anti-aliasing samples of a MuJoCo env's offscreen renderer; -1 keeps the env's own (Reacher-v5: 4). 0 renders Reacher-v5 about 2.5x faster on a software GL (llvmpipe) with nearly the same 84x84 frames."""
     max_episode_steps: int = 0
     """Time limit in env steps; 0 keeps the env's registered limit."""
     vector: str = "auto"
@@ -175,6 +177,8 @@ class TrainConfig:
 class RolloutConfig:
     device: str = "auto"
     """cpu | cuda | cuda:N | auto (the train device): where the policy acts; a copy is synced once per iteration."""
+    overlap: bool = False
+    """Async envs in two halves stepped alternately: workers render one half while the policy acts on the other (same rollout; actions are sampled per half)."""
 
 
 @dataclass
@@ -356,6 +360,8 @@ def validate(cfg: Config) -> None:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(getattr(cfg, section), name)}")
+    if cfg.env.render_samples < -1:
+        raise ConfigError(f"env.render_samples must be -1 (the env's own) or >= 0, got {cfg.env.render_samples}")
     if cfg.ppo.minibatch_size > cfg.rollout_size:
         raise ConfigError(
             f"ppo.minibatch_size ({cfg.ppo.minibatch_size}) is larger than the rollout "

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import multiprocessing
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import gymnasium as gym
@@ -147,8 +149,12 @@ def _make_env(cfg: Config) -> gym.Env:
     if _is_visppo_task(e.id):
         env = gym.make(e.id, image_size=e.image_size,
                        obs_mode="pixels_state" if e.state else "pixels", **kwargs)
+        if e.render_samples >= 0:
+            set_render_samples(env, e.render_samples, e.id)
     elif e.pixels:
         ensure_headless_gl()
+        if multiprocessing.parent_process() is None:  # the learner's process, not a worker
+            preload_before_gl()
         cam = {}
         if e.camera:
             cam = {"camera_name": e.camera}
@@ -157,6 +163,8 @@ def _make_env(cfg: Config) -> gym.Env:
                            **cam, **kwargs)
         except TypeError:  # envs that do not take a render size
             env = gym.make(e.id, render_mode="rgb_array", **kwargs)
+        if e.render_samples >= 0:  # before AddRenderObservation renders its first frame
+            set_render_samples(env, e.render_samples, e.id)
         if env.render_mode != "rgb_array" or "rgb_array" not in env.metadata.get("render_modes", []):
             env.close()
             raise ConfigError(f"env.id {e.id} cannot render camera frames (no rgb_array render mode): "
@@ -168,6 +176,24 @@ def _make_env(cfg: Config) -> gym.Env:
     if e.action_repeat > 1:
         env = ActionRepeat(env, e.action_repeat)
     return SeededEpisodes(PixelDict(env, e.frame_stack, e.state, e.image_size))
+
+
+def set_render_samples(env: gym.Env, samples: int, env_id: str) -> None:
+    """Set the multisample anti-aliasing of a MuJoCo env's offscreen renderer.
+
+    MuJoCo reads ``vis.quality.offsamples`` when it builds the GL context,
+    which gymnasium and visppo's tasks do at the first render, so this must run
+    before it. On a software GL (Mesa llvmpipe) 4x MSAA is most of the cost of
+    an 84x84 frame.
+    """
+    import mujoco
+
+    model = getattr(env.unwrapped, "model", None)
+    if not isinstance(model, mujoco.MjModel):
+        env.close()
+        raise ConfigError(f"env.render_samples applies to MuJoCo envs only, and {env_id} is not one: "
+                          "remove it (or set -1)")
+    model.vis.quality.offsamples = samples
 
 
 def check_env_id(env_id: str) -> None:
@@ -203,6 +229,77 @@ def preload_before_gl() -> None:
     import torch._dynamo  # noqa: F401
 
 
+class AlternatingHalves(gym.vector.VectorEnv):
+    """The envs as two async vector envs of half each, for ``rollout.overlap``.
+
+    The rollout steps one half while the policy acts on the other, so the
+    workers render while the learner computes (see :func:`visppo.rollout.collect`).
+    As a vector env it behaves like one: ``step`` steps both halves at once and
+    env ``i`` is env ``i`` of the whole, seeds included.
+    """
+
+    def __init__(self, halves: list[gym.vector.AsyncVectorEnv]):
+        self.halves = halves
+        starts = np.cumsum([0] + [h.num_envs for h in halves])
+        self.slices = [slice(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+        self.num_envs = int(starts[-1])
+        self.single_observation_space = halves[0].single_observation_space
+        self.single_action_space = halves[0].single_action_space
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, self.num_envs)
+        self.metadata = halves[0].metadata
+        self.processes = [p for h in halves for p in h.processes]  # global worker numbers in errors
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        for h, part in zip(self.halves, self.slices):  # env i gets seed + i, as in one vector env
+            h.reset_async(seed=None if seed is None else seed + part.start, options=options)
+        return self._join([h.reset_wait() for h in self.halves])
+
+    def step(self, actions: np.ndarray):
+        for h, part in zip(self.halves, self.slices):
+            h.step_async(actions[part])
+        return self._join([h.step_wait() for h in self.halves])
+
+    def _join(self, results: list[tuple]) -> tuple:
+        sizes = [h.num_envs for h in self.halves]
+        joined = [_join_arrays([r[k] for r in results], sizes) for k in range(len(results[0]) - 1)]
+        return (*joined, _join_infos([r[-1] for r in results], sizes))
+
+    def get_attr(self, name: str) -> tuple:
+        return tuple(v for h in self.halves for v in h.get_attr(name))
+
+    def set_attr(self, name: str, values: Any) -> None:
+        for h, part in zip(self.halves, self.slices):
+            h.set_attr(name, list(values)[part] if isinstance(values, (list, tuple)) else values)
+
+    def close(self, **kwargs: Any) -> None:
+        for h in self.halves:
+            h.close(**kwargs)
+
+
+def _join_arrays(parts: list, sizes: list[int]):
+    if isinstance(parts[0], dict):
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return np.concatenate(parts)
+
+
+def _join_infos(infos: list[dict], sizes: list[int]) -> dict:
+    """Vector infos of the halves as one: arrays concatenated, a key missing in a half filled
+    as gymnasium does (zeros / False, None for objects)."""
+    out: dict[str, Any] = {}
+    for key in {k for info in infos for k in info}:
+        values = [info.get(key) for info in infos]
+        if any(isinstance(v, dict) for v in values):
+            out[key] = _join_infos([v if isinstance(v, dict) else {} for v in values], sizes)
+            continue
+        like = np.asarray(next(v for v in values if v is not None))
+        out[key] = np.concatenate([
+            np.asarray(v) if v is not None else
+            (np.full(n, None, dtype=object) if like.dtype == object else np.zeros((n, *like.shape[1:]), like.dtype))
+            for v, n in zip(values, sizes)])
+    return out
+
+
 def make_vector_env(cfg: Config, num_envs: int | None = None) -> gym.vector.VectorEnv:
     """``num_envs`` copies with SAME_STEP autoreset, async in forkserver workers when it pays."""
     check_env_id(cfg.env.id)
@@ -214,22 +311,30 @@ def make_vector_env(cfg: Config, num_envs: int | None = None) -> gym.vector.Vect
     mode = gym.vector.AutoresetMode.SAME_STEP
     if use_async(cfg):
         ctx = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-        envs = gym.vector.AsyncVectorEnv(fns, shared_memory=True, context=ctx, autoreset_mode=mode)
+        if cfg.rollout.overlap and n >= 2:
+            envs = AlternatingHalves([
+                gym.vector.AsyncVectorEnv(part, shared_memory=True, context=ctx, autoreset_mode=mode)
+                for part in (fns[: n // 2], fns[n // 2:])])
+        else:
+            envs = gym.vector.AsyncVectorEnv(fns, shared_memory=True, context=ctx, autoreset_mode=mode)
     else:
         envs = gym.vector.SyncVectorEnv(fns, autoreset_mode=mode)
     envs.env_id = cfg.env.id  # for error messages that name the env
     return envs
 
 
-def step_envs(envs: gym.vector.VectorEnv, actions: np.ndarray, env_id: str):
-    """``envs.step`` that turns a dead or failing worker into a :class:`RunError` naming the env.
+@contextmanager
+def worker_errors(envs: gym.vector.VectorEnv, env_id: str) -> Iterator[None]:
+    """Turn a dead or failing worker into a :class:`RunError` naming the env.
 
     A worker that raises sends its exception back (gymnasium re-raises it here);
     a worker process that dies (segfault, OOM kill) closes its pipe, which
     surfaces as EOFError / BrokenPipeError instead of a hang.
     """
     try:
-        return envs.step(actions)
+        yield
+    except RunError:
+        raise
     except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
         dead = [f"worker {i} (exit code {p.exitcode})" for i, p in enumerate(getattr(envs, "processes", []))
                 if p.exitcode is not None]
@@ -238,3 +343,9 @@ def step_envs(envs: gym.vector.VectorEnv, actions: np.ndarray, env_id: str):
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise RunError(f"env {env_id} failed during step: {type(exc).__name__}: {first[:200]}") from exc
+
+
+def step_envs(envs: gym.vector.VectorEnv, actions: np.ndarray, env_id: str):
+    """``envs.step`` with :func:`worker_errors`."""
+    with worker_errors(envs, env_id):
+        return envs.step(actions)

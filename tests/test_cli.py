@@ -4,7 +4,7 @@ import sys
 import pytest
 from conftest import tiny_overrides
 
-from visppo.cli import main
+from visppo.cli import main, parse
 
 
 def visppo(*args, cwd=None):
@@ -72,6 +72,18 @@ def test_malformed_yaml_is_refused_by_the_real_command_without_traceback(tmp_pat
 def test_unknown_command_is_an_error_line(capsys):
     code, err = run_main(capsys, "fly")
     assert code == 2 and err.startswith("error: ")
+
+
+def test_overrides_may_follow_options():
+    ns = parse(["probe", "c.yaml", "--budget", "8GiB", "model.encoder_checkpointing=true"])
+    assert ns.args == ["c.yaml", "model.encoder_checkpointing=true"] and ns.budget == "8GiB"
+
+
+def test_unknown_option_names_the_subcommand_help(capsys):
+    code, err = run_main(capsys, "probe", "--budget", "8GiB", "--bogus")
+    assert code == 2 and err.startswith("error: ") and "--bogus" in err and "visppo probe --help" in err
+    code, err = run_main(capsys, "eval", "run", "extra")
+    assert code == 2 and "unrecognized arguments: extra" in err
 
 
 def test_env_that_cannot_render_is_refused(tmp_path, capsys):

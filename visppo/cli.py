@@ -158,8 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse, letting ``[CONFIG] [key=value]`` follow options too (``probe C --budget 8GiB a.b=1``):
+    argparse alone takes positionals only before the first option."""
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(ns, "args") or any(a.startswith("-") for a in extra):
+            parser.exit(2, f"error: unrecognized arguments: {' '.join(extra)} (see visppo {ns.command} --help)\n")
+        ns.args = [*ns.args, *extra]
+    return ns
+
+
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    ns = parse(argv)
     try:
         return ns.func(ns)
     except UserError as exc:

@@ -1,12 +1,45 @@
+import pytest
 import torch
 
-from visppo.encoders import NatureCNN, ObsEncoder
+from visppo import encoders
+from visppo.encoders import ImpalaCNN, NatureCNN, ObsEncoder
 
 
 def test_uint8_frames_are_scaled_inside_forward():
     enc = NatureCNN(3, 64, 16)
     x = torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8)
     torch.testing.assert_close(enc(x), enc(x.float() / 255.0))
+
+
+def test_under_autocast_frames_go_straight_to_its_dtype_with_the_same_values():
+    every = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        direct = encoders._uint8_to_conv_input(every)
+    assert direct.dtype == torch.bfloat16  # no fp32 copy of the batch
+    assert torch.equal(direct, (every.float() / 255.0).to(torch.bfloat16))  # what autocast would cast
+    assert encoders._uint8_to_conv_input(every).dtype == torch.float32  # no autocast: fp32
+
+
+@pytest.mark.parametrize("make", [lambda: NatureCNN(9, 64, 16), lambda: ImpalaCNN(9, 64, 16)],
+                         ids=["nature", "impala"])
+def test_bf16_encoders_give_the_same_features_and_gradients_as_with_an_fp32_copy(make, monkeypatch):
+    torch.manual_seed(0)
+    enc = make().to(memory_format=torch.channels_last)
+    x = torch.randint(0, 256, (4, 9, 64, 64), dtype=torch.uint8)
+
+    def run():
+        enc.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = enc(x)
+        out.float().square().sum().backward()
+        return out.detach(), [p.grad.clone() for p in enc.parameters()]
+
+    out, grads = run()
+    monkeypatch.setattr(encoders, "_uint8_to_conv_input", encoders._uint8_to_float)  # the fp32 detour
+    ref_out, ref_grads = run()
+    assert torch.equal(out, ref_out)
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g, r)
 
 
 def test_channels_last_model_gives_the_same_features():

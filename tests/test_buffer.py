@@ -98,11 +98,33 @@ def test_minibatches_are_a_permutation_and_micro_batches_tile_them():
     assert torch.equal(torch.cat(micro), mbs[0])
 
 
+def test_channels_last_buffer_holds_the_same_frames_and_gathers_them_in_that_layout():
+    obs_space, act_space = _spaces(frame_stack=2, size=8)
+    plain = RolloutBuffer(4, 3, obs_space, act_space)
+    cl = RolloutBuffer(4, 3, obs_space, act_space, channels_last=True)
+    assert cl.obs["pixels"].shape == plain.obs["pixels"].shape == (4, 3, 6, 8, 8)
+    assert cl.obs["pixels"].stride()[2] == 1  # channels innermost in memory
+    assert cl.nbytes() == plain.nbytes()
+    g = torch.Generator().manual_seed(0)
+    for t in range(4):  # written a step at a time, as collection does
+        frames = torch.randint(0, 256, (3, 6, 8, 8), generator=g, dtype=torch.uint8)
+        plain.obs["pixels"][t].copy_(frames)
+        cl.obs["pixels"][t, 1:].copy_(frames[1:])
+        cl.obs["pixels"][t, :1].copy_(frames[:1])
+    index = torch.tensor([11, 0, 5, 6])
+    a, b = plain.gather(index, torch.device("cpu")), cl.gather(index, torch.device("cpu"))
+    assert torch.equal(a["obs.pixels"], b["obs.pixels"]) and torch.equal(a["obs.state"], b["obs.state"])
+    assert b["obs.pixels"].is_contiguous(memory_format=torch.channels_last)  # no transpose per minibatch
+    assert cl.flat(cl.obs["pixels"]).data_ptr() == cl.obs["pixels"].data_ptr()  # flat is a view
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_pinned_buffer_gathers_through_staging_to_cuda():
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_pinned_buffer_gathers_through_staging_to_cuda(channels_last):
     obs_space, act_space = _spaces(frame_stack=1, size=8, state=False)
-    buf = RolloutBuffer(4, 2, obs_space, act_space, pin_memory=True)
+    buf = RolloutBuffer(4, 2, obs_space, act_space, pin_memory=True, channels_last=channels_last)
     assert buf.obs["pixels"].is_pinned()
+    buf.obs["pixels"].copy_(torch.arange(8, dtype=torch.uint8).view(4, 2, 1, 1, 1).expand(buf.obs["pixels"].shape))
     buf.rewards.copy_(torch.arange(8.0).view(4, 2))
     buf.returns.copy_(torch.arange(8.0).view(4, 2))
     for _ in range(3):  # both staging sets, then reuse
@@ -110,3 +132,5 @@ def test_pinned_buffer_gathers_through_staging_to_cuda():
         assert out["returns"].device.type == "cuda"
         assert out["returns"].cpu().tolist() == [7.0, 1.0, 3.0]
         assert out["obs.pixels"].dtype == torch.uint8
+        assert out["obs.pixels"].cpu()[:, 0, 0, 0].tolist() == [7, 1, 3]
+        assert out["obs.pixels"].is_contiguous(memory_format=torch.channels_last) == channels_last

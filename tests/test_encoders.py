@@ -72,7 +72,7 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torchvision  # noqa: E402
 
-from visppo.encoders import ENCODERS, ImpalaCNN, TorchvisionBackbone  # noqa: E402
+from visppo.encoders import ENCODERS, TorchvisionBackbone  # noqa: E402
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)

@@ -14,9 +14,10 @@ memory of one update measured in a separate, untimed run (tracking slows every
 op). The first row is the baseline a plain PPO would run: fp32, NCHW, the whole
 minibatch in one backward, torch's default Adam (a per-parameter loop on CPU);
 the second row swaps in visppo's fused Adam, and the rest also use the config's
-layout (``train.channels_last``). Peak memory counts what the update allocates
-(gradients, gathered batches, activations), not the parameters and optimizer
-state that exist before it (shown in the header).
+layout (``train.channels_last``) for the model and the rollout buffer's frames.
+Peak memory counts what the update allocates (gradients, gathered batches,
+activations), not the parameters and optimizer state that exist before it
+(shown in the header).
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ def spaces(cfg: Config) -> tuple[gym.spaces.Dict, gym.Space]:
 
 
 def random_buffer(cfg: Config, obs_space: gym.spaces.Dict, action_space: gym.Space,
-                  generator: torch.Generator) -> RolloutBuffer:
-    """A rollout buffer full of random frames and plausible-scale random statistics."""
-    buf = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, obs_space, action_space)
+                  generator: torch.Generator, channels_last: bool = False) -> RolloutBuffer:
+    """A rollout buffer full of random frames and plausible-scale random statistics
+    (the same contents for the same generator seed, whatever the frames' layout)."""
+    buf = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, obs_space, action_space,
+                        channels_last=channels_last)
     for tensor in buf.obs.values():
         if tensor.dtype == torch.uint8:
             tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8, generator=generator))
@@ -182,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     preload_before_gl()  # before a gymnasium renderer's GL context, as training does
     obs_space, action_space = spaces(cfg)
     buffer = random_buffer(cfg, obs_space, action_space, torch.Generator().manual_seed(cfg.train.seed))
+    buffers = {False: buffer,  # the plain rows' NCHW frames; the others' in the config's layout
+               True: random_buffer(cfg, obs_space, action_space, torch.Generator().manual_seed(cfg.train.seed),
+                                   channels_last=True)}
     params, adam = state_bytes(cfg, obs_space, action_space, device)
     print(f"{cfg.env.id}: pixels {tuple(obs_space['pixels'].shape)}, rollout {buffer.size} "
           f"({cfg.ppo.num_envs} envs x {cfg.ppo.num_steps} steps), minibatch {cfg.ppo.minibatch_size}, "
@@ -199,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             setups.append(Setup(cfg, name, amp, channels_last, fused, micro, device, obs_space, action_space,
-                                buffer))
+                                buffers[channels_last]))
         except ValueError as exc:  # e.g. fp16 on the CPU
             print(f"  skip {name} {amp}: {exc}")
     for _ in range(ns.repeats):  # rows interleaved, so a slow minute of the machine hits them all

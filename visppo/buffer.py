@@ -55,11 +55,15 @@ class RolloutBuffer:
         pin_memory: allocate in pinned host memory (when training on CUDA).
         device: where the buffer lives: host memory by default, or the train
             device when ``memory.buffer_device=device`` and the probe says it fits.
+        channels_last: store ``[C, H, W]`` image observations as ``[H, W, C]`` in
+            memory (the tensors keep their ``[T, N, C, H, W]`` shape), so a gathered
+            minibatch is already in the layout of a channels_last encoder instead of
+            being transposed again for every minibatch of every epoch.
     """
 
     def __init__(self, num_steps: int, num_envs: int, obs_space: gym.spaces.Dict,
                  action_space: gym.Space, pin_memory: bool = False,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", channels_last: bool = False):
         self.T, self.N = num_steps, num_envs
         self._staging: list[dict[str, torch.Tensor]] = [{}, {}]  # two pinned sets, used in turn
         self._staging_ready: list = [None, None]  # CUDA events: the copy out of each set is done
@@ -67,14 +71,18 @@ class RolloutBuffer:
 
         self.pinned = pin_memory and torch.device(device).type == "cpu"
 
-        def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        def alloc(shape: tuple[int, ...], dtype: torch.dtype, hwc: bool = False) -> torch.Tensor:
+            if hwc:  # memory [T, N, H, W, C], seen as [T, N, C, H, W]
+                c, h, w = shape
+                return alloc((h, w, c), dtype).permute(0, 1, 4, 2, 3)
             t = torch.zeros((num_steps, num_envs, *shape), dtype=dtype, device=device)
             return t.pin_memory() if self.pinned else t
 
         self.obs: dict[str, torch.Tensor] = {}
         for key, space in obs_space.spaces.items():
             dtype = torch.uint8 if space.dtype == np.uint8 else torch.float32
-            self.obs[key] = alloc(tuple(space.shape), dtype)
+            image = dtype == torch.uint8 and len(space.shape) == 3
+            self.obs[key] = alloc(tuple(space.shape), dtype, hwc=channels_last and image)
         if isinstance(action_space, gym.spaces.Discrete):
             self.actions = alloc((), torch.long)
         else:
@@ -98,7 +106,8 @@ class RolloutBuffer:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def flat(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.reshape(self.size, *tensor.shape[2:])
+        """``[T, N, ...]`` -> ``[T * N, ...]``, a view (channels_last storage included)."""
+        return tensor.view(self.size, *tensor.shape[2:])
 
     def gather(self, index: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
         """Samples at flat ``index`` moved to ``device``; obs stay uint8 until the encoder.
@@ -121,13 +130,21 @@ class RolloutBuffer:
         for key, src in sources.items():
             flat = self.flat(src)
             if key not in staging or staging[key].shape[0] < len(index):
-                staging[key] = torch.empty((len(index), *flat.shape[1:]), dtype=flat.dtype).pin_memory()
+                staging[key] = _pinned_like(flat, len(index))
             part = staging[key][: len(index)]
             torch.index_select(flat, 0, index, out=part)
             out[key] = part.to(device, non_blocking=True)
         self._staging_ready[turn] = torch.cuda.Event()
         self._staging_ready[turn].record()
         return out
+
+
+def _pinned_like(flat: torch.Tensor, n: int) -> torch.Tensor:
+    """Pinned ``[n, ...]`` in ``flat``'s memory layout (NCHW or channels_last)."""
+    if flat.dim() == 4 and not flat.is_contiguous() and flat.is_contiguous(memory_format=torch.channels_last):
+        c, h, w = flat.shape[1:]
+        return torch.empty((n, h, w, c), dtype=flat.dtype, pin_memory=True).permute(0, 3, 1, 2)
+    return torch.empty((n, *flat.shape[1:]), dtype=flat.dtype, pin_memory=True)
 
 
 def obs_of(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

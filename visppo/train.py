@@ -149,7 +149,7 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
         on_device = cfg.memory.buffer_device == "device"
         buffer = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, envs.single_observation_space,
                                envs.single_action_space, pin_memory=device.type == "cuda" and not on_device,
-                               device=device if on_device else "cpu")
+                               device=device if on_device else "cpu", channels_last=cfg.train.channels_last)
         state = RolloutState.start(envs, seed=cfg.train.seed + ctx.rank * cfg.ppo.num_envs)  # env i of rank r
         if ctx.rank:  # its own action noise; rank 0 keeps a single process's streams
             seed_everything(seed, cfg.train.deterministic, device)

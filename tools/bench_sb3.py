@@ -8,7 +8,9 @@ critic) on Reacher-v5 rendered to 84x84 RGB (the same env stack visppo builds
 for ``env.id=Reacher-v5 env.pixels=true``: gymnasium's AddRenderObservation),
 2 envs in SubprocVecEnv workers (forkserver), 256 steps per env, minibatch 64,
 4 epochs. Prints end-to-end env steps/s: the median over iterations (the first
-left out) of each run, then the median over runs. Compare with
+left out) of each run, then the median over runs; and the median time per
+iteration spent collecting (rollout start to end) and the rest (the update).
+Compare with
 
     python tools/bench.py configs/reacher_pixels.yaml
 
@@ -48,9 +50,13 @@ def run(iterations: int, threads: int, render_samples: int) -> float:
         def __init__(self) -> None:
             super().__init__()
             self.starts: list[float] = []
+            self.ends: list[float] = []
 
         def _on_rollout_start(self) -> None:
             self.starts.append(time.perf_counter())
+
+        def _on_rollout_end(self) -> None:
+            self.ends.append(time.perf_counter())
 
         def _on_step(self) -> bool:
             return True
@@ -64,7 +70,9 @@ def run(iterations: int, threads: int, render_samples: int) -> float:
     finally:
         envs.close()
     durations = [b - a for a, b in zip(clock.starts, clock.starts[1:])][1:]  # drop the warm-up
-    return statistics.median(512 / d for d in durations)
+    collects = [b - a for a, b in zip(clock.starts, clock.ends)][1:len(durations) + 1]
+    collect = statistics.median(collects)
+    return statistics.median(512 / d for d in durations), collect, statistics.median(durations) - collect
 
 
 def main() -> None:
@@ -75,10 +83,13 @@ def main() -> None:
     parser.add_argument("--render-samples", type=int, default=-1,
                         help="anti-aliasing samples of the renderer, as visppo's env.render_samples; -1: the env's own")
     ns = parser.parse_args()
-    rates = [run(ns.iterations, ns.threads, ns.render_samples) for _ in range(ns.repeats)]
+    runs = [run(ns.iterations, ns.threads, ns.render_samples) for _ in range(ns.repeats)]
+    rates = [r[0] for r in runs]
     print(f"SB3 PPO CnnPolicy, pixel Reacher-v5 84x84 (render samples {ns.render_samples}), 2 envs x 256 steps, "
           f"minibatch 64, 4 epochs: "
-          f"{statistics.median(rates):.0f} steps/s end to end (runs: {', '.join(f'{r:.0f}' for r in rates)})")
+          f"{statistics.median(rates):.0f} steps/s end to end (runs: {', '.join(f'{r:.0f}' for r in rates)}); "
+          f"per iteration: collect {statistics.median(r[1] for r in runs):.2f} s, "
+          f"update {statistics.median(r[2] for r in runs):.2f} s")
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ class TrainConfig:
     amp: str = "auto"
     """off | bf16 | fp16 | auto: mixed precision; auto is bf16 where the device supports it fast, else off. fp16 is CUDA only."""
     channels_last: bool = True
-    """Run convolutions in channels_last memory format (much faster on CPU)."""
+    """Run convolutions in channels_last memory format (much faster on CPU); the rollout buffer keeps frames in it too."""
     seed: int = 1
     """Seed for torch, numpy, python and the envs."""
     deterministic: bool = False

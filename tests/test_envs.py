@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
+from visppo import envs as envs_module
 from visppo.config import ConfigError, load_config
-from visppo.envs import PixelDict, make_env, make_vector_env
+from visppo.envs import PixelDict, make_env, make_vector_env, use_async
 from visppo_envs.dot import DotReachEnv
 
 DOT = "env.id=visppo/DotReach-v0"
@@ -124,3 +125,33 @@ def test_render_samples_is_refused_for_an_env_that_is_not_mujoco():
         make_env(load_config(None, [DOT, "env.render_samples=0"]))
     with pytest.raises(ConfigError, match="env.render_samples"):
         load_config(None, [DOT, "env.render_samples=-2"])
+
+
+@pytest.mark.parametrize("cpus, overrides, expected", [
+    (2, [], False),                                   # 2 CPUs: the learner's process steps the envs
+    (4, [], True),                                    # more: worker processes render in parallel
+    (2, ["rollout.overlap=true"], True),              # overlap needs workers
+    (4, ["env.id=visppo/DotReach-v0"], False),        # synthetic: never worth a process
+    (4, ["ppo.num_envs=1", "ppo.minibatch_size=64"], False),
+    (2, ["env.vector=async"], True),                  # an explicit choice is kept
+    (4, ["env.vector=sync"], False),
+])
+def test_auto_vector_mode_follows_the_cpus(monkeypatch, cpus, overrides, expected):
+    monkeypatch.setattr(envs_module, "usable_cpus", lambda: cpus)
+    assert use_async(load_config(None, ["ppo.num_envs=8", *overrides])) is expected
+
+
+def test_reach_frames_are_the_same_in_the_learners_process_and_in_workers():
+    """Choosing sync or async changes where an env renders, never what it shows."""
+    runs = []
+    for vector in ("sync", "async"):
+        envs = make_vector_env(load_config(None, ["ppo.num_envs=2", "env.image_size=48", f"env.vector={vector}"]))
+        try:
+            obs, _ = envs.reset(seed=0)
+            frames = [obs["pixels"]]
+            for a in np.random.default_rng(0).uniform(-1, 1, (5, 2, 2)).astype(np.float32):
+                frames.append(envs.step(a)[0]["pixels"])
+        finally:
+            envs.close()
+        runs.append(np.stack(frames))
+    assert runs[0].std() > 0 and np.array_equal(runs[0], runs[1])

@@ -62,7 +62,7 @@ class EnvConfig:
     max_episode_steps: int = 0
     """Time limit in env steps; 0 keeps the env's registered limit."""
     vector: str = "auto"
-    """sync | async | auto: async worker processes (forkserver) for heavy envs, sync for the synthetic ones."""
+    """sync | async | auto: async worker processes (forkserver) for rendered envs when this process may use more than 2 CPUs (or with rollout.overlap); sync otherwise, and for the synthetic tasks."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to gymnasium.make."""
 

@@ -11,13 +11,16 @@ from visppo.ppo import Precision, minibatch_gradient, ppo_loss, resolve_precisio
 CPU = torch.device("cpu")
 
 
-def _setup(state=True, discrete=False, T=6, N=4, seed=0, share=True):
-    torch.manual_seed(seed)
+def _spaces(state=True, discrete=False):
     spaces = {"pixels": gym.spaces.Box(0, 255, (6, 64, 64), np.uint8)}
     if state:
         spaces["state"] = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
-    obs_space = gym.spaces.Dict(spaces)
-    act_space = gym.spaces.Discrete(4) if discrete else gym.spaces.Box(-1, 1, (2,), np.float32)
+    return gym.spaces.Dict(spaces), gym.spaces.Discrete(4) if discrete else gym.spaces.Box(-1, 1, (2,), np.float32)
+
+
+def _setup(state=True, discrete=False, T=6, N=4, seed=0, share=True):
+    torch.manual_seed(seed)
+    obs_space, act_space = _spaces(state, discrete)
     policy = ActorCritic(obs_space, act_space, ModelConfig(feature_dim=32, hidden_dim=32,
                                                           share_encoder=share))
     buf = RolloutBuffer(T, N, obs_space, act_space)
@@ -117,9 +120,7 @@ def test_a_channels_last_buffer_gives_the_same_update():
     """Only where the frames sit in memory changes: a channels_last model sees the same input."""
     policy, buf = _setup()
     policy = policy.to(memory_format=torch.channels_last)
-    obs_space = gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (6, 64, 64), np.uint8),
-                                 "state": gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)})
-    cl = RolloutBuffer(buf.T, buf.N, obs_space, gym.spaces.Box(-1, 1, (2,), np.float32), channels_last=True)
+    cl = RolloutBuffer(buf.T, buf.N, *_spaces(), channels_last=True)
     for name in ("actions", "logp", "values", "advantages", "returns"):
         getattr(cl, name).copy_(getattr(buf, name))
     for key in buf.obs:

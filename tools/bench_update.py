@@ -184,10 +184,10 @@ def main(argv: list[str] | None = None) -> int:
 
     preload_before_gl()  # before a gymnasium renderer's GL context, as training does
     obs_space, action_space = spaces(cfg)
-    buffer = random_buffer(cfg, obs_space, action_space, torch.Generator().manual_seed(cfg.train.seed))
-    buffers = {False: buffer,  # the plain rows' NCHW frames; the others' in the config's layout
-               True: random_buffer(cfg, obs_space, action_space, torch.Generator().manual_seed(cfg.train.seed),
-                                   channels_last=True)}
+    # the same contents in both layouts: NCHW frames for the plain rows, the config's layout for the others
+    buffers = {cl: random_buffer(cfg, obs_space, action_space, torch.Generator().manual_seed(cfg.train.seed),
+                                 channels_last=cl) for cl in (False, True)}
+    buffer = buffers[False]
     params, adam = state_bytes(cfg, obs_space, action_space, device)
     print(f"{cfg.env.id}: pixels {tuple(obs_space['pixels'].shape)}, rollout {buffer.size} "
           f"({cfg.ppo.num_envs} envs x {cfg.ppo.num_steps} steps), minibatch {cfg.ppo.minibatch_size}, "

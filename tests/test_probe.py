@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import infer_with, tiny_overrides, update_with
 
 from visppo.cli import main
 from visppo.config import PPOConfig, load_config
@@ -88,14 +88,13 @@ def _update_peak(minibatch: int, micro: int, rollout: int = 256) -> int:
     from test_ppo import _setup
 
     from visppo.memory import peak_bytes
-    from visppo.ppo import Precision, update
 
     policy, buf = _setup(T=rollout // 4, N=4)
     opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
     cfg = PPOConfig(num_epochs=1, minibatch_size=minibatch)
     cpu = torch.device("cpu")
-    update(policy, opt, buf, cfg, micro, 16, cpu, Precision(cpu), torch.Generator().manual_seed(0))  # Adam state
-    return peak_bytes(lambda: update(policy, opt, buf, cfg, micro, 16, cpu, Precision(cpu),
+    update_with(policy, opt, buf, cfg, micro, 16, torch.Generator().manual_seed(0))  # Adam state
+    return peak_bytes(lambda: update_with(policy, opt, buf, cfg, micro, 16,
                                      torch.Generator().manual_seed(1)), cpu)
 
 
@@ -109,7 +108,6 @@ def test_chunked_no_grad_pass_peak_does_not_grow_with_the_rollout():
     from test_ppo import _setup
 
     from visppo.memory import peak_bytes
-    from visppo.ppo import score
 
     cpu = torch.device("cpu")
     peaks = []
@@ -117,6 +115,6 @@ def test_chunked_no_grad_pass_peak_does_not_grow_with_the_rollout():
         policy, buf = _setup(T=rollout // 4, N=4)
         flat = {k: buf.flat(v) for k, v in buf.obs.items()}
         actions = buf.flat(buf.actions)
-        peaks.append(peak_bytes(lambda: score(policy, flat, actions, 16, cpu), cpu))
+        peaks.append(peak_bytes(lambda: infer_with(policy, flat, actions, 16), cpu))
     # the outputs (one float per sample) are the only part that grows: 2 x 4 bytes x 192 samples
     assert peaks[1] - peaks[0] <= 2 * 4 * 192 + 4096, peaks

@@ -26,7 +26,7 @@ def test_bench_prints_every_figure_and_writes_json(tmp_path):
     assert set(figures["raw_env_sps"]) == {"1 process", "2 async workers", "4 async workers"}
     assert all(v > 0 for v in figures["raw_env_sps"].values())
     for key in ("end_to_end_sps", "collect_sps", "update_samples_per_s", "peak_rss_bytes",
-                "time/collect", "time/score", "time/update"):
+                "time/collect", "time/values", "time/update"):
         assert figures[key] > 0, key
     # the end-to-end rate cannot beat collection alone, and the ratio is against the fastest raw env
     assert figures["end_to_end_sps"] < figures["collect_sps"]

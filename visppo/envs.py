@@ -224,7 +224,7 @@ def use_async(cfg: Config) -> bool:
     """
     if cfg.env.vector == "auto":
         rendered = cfg.ppo.num_envs > 1 and not cfg.env.id.startswith(SYNTHETIC_PREFIX)
-        return rendered and (cfg.rollout.overlap or usable_cpus() > 2)
+        return rendered and usable_cpus() > 2
     return cfg.env.vector == "async"
 
 
@@ -246,77 +246,6 @@ def preload_before_gl() -> None:
     import torch._dynamo  # noqa: F401
 
 
-class AlternatingHalves(gym.vector.VectorEnv):
-    """The envs as two async vector envs of half each, for ``rollout.overlap``.
-
-    The rollout steps one half while the policy acts on the other, so the
-    workers render while the learner computes (see :func:`visppo.rollout.collect`).
-    As a vector env it behaves like one: ``step`` steps both halves at once and
-    env ``i`` is env ``i`` of the whole, seeds included.
-    """
-
-    def __init__(self, halves: list[gym.vector.AsyncVectorEnv]):
-        self.halves = halves
-        starts = np.cumsum([0] + [h.num_envs for h in halves])
-        self.slices = [slice(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
-        self.num_envs = int(starts[-1])
-        self.single_observation_space = halves[0].single_observation_space
-        self.single_action_space = halves[0].single_action_space
-        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
-        self.action_space = gym.vector.utils.batch_space(self.single_action_space, self.num_envs)
-        self.metadata = halves[0].metadata
-        self.processes = [p for h in halves for p in h.processes]  # global worker numbers in errors
-
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
-        for h, part in zip(self.halves, self.slices):  # env i gets seed + i, as in one vector env
-            h.reset_async(seed=None if seed is None else seed + part.start, options=options)
-        return self._join([h.reset_wait() for h in self.halves])
-
-    def step(self, actions: np.ndarray):
-        for h, part in zip(self.halves, self.slices):
-            h.step_async(actions[part])
-        return self._join([h.step_wait() for h in self.halves])
-
-    def _join(self, results: list[tuple]) -> tuple:
-        sizes = [h.num_envs for h in self.halves]
-        joined = [_join_arrays([r[k] for r in results], sizes) for k in range(len(results[0]) - 1)]
-        return (*joined, _join_infos([r[-1] for r in results], sizes))
-
-    def get_attr(self, name: str) -> tuple:
-        return tuple(v for h in self.halves for v in h.get_attr(name))
-
-    def set_attr(self, name: str, values: Any) -> None:
-        for h, part in zip(self.halves, self.slices):
-            h.set_attr(name, list(values)[part] if isinstance(values, (list, tuple)) else values)
-
-    def close(self, **kwargs: Any) -> None:
-        for h in self.halves:
-            h.close(**kwargs)
-
-
-def _join_arrays(parts: list, sizes: list[int]):
-    if isinstance(parts[0], dict):
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    return np.concatenate(parts)
-
-
-def _join_infos(infos: list[dict], sizes: list[int]) -> dict:
-    """Vector infos of the halves as one: arrays concatenated, a key missing in a half filled
-    as gymnasium does (zeros / False, None for objects)."""
-    out: dict[str, Any] = {}
-    for key in {k for info in infos for k in info}:
-        values = [info.get(key) for info in infos]
-        if any(isinstance(v, dict) for v in values):
-            out[key] = _join_infos([v if isinstance(v, dict) else {} for v in values], sizes)
-            continue
-        like = np.asarray(next(v for v in values if v is not None))
-        out[key] = np.concatenate([
-            np.asarray(v) if v is not None else
-            (np.full(n, None, dtype=object) if like.dtype == object else np.zeros((n, *like.shape[1:]), like.dtype))
-            for v, n in zip(values, sizes)])
-    return out
-
-
 def make_vector_env(cfg: Config, num_envs: int | None = None) -> gym.vector.VectorEnv:
     """``num_envs`` copies with SAME_STEP autoreset, async in forkserver workers when it pays."""
     check_env_id(cfg.env.id)
@@ -328,12 +257,7 @@ def make_vector_env(cfg: Config, num_envs: int | None = None) -> gym.vector.Vect
     mode = gym.vector.AutoresetMode.SAME_STEP
     if use_async(cfg):
         ctx = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-        if cfg.rollout.overlap and n >= 2:
-            envs = AlternatingHalves([
-                gym.vector.AsyncVectorEnv(part, shared_memory=True, context=ctx, autoreset_mode=mode)
-                for part in (fns[: n // 2], fns[n // 2:])])
-        else:
-            envs = gym.vector.AsyncVectorEnv(fns, shared_memory=True, context=ctx, autoreset_mode=mode)
+        envs = gym.vector.AsyncVectorEnv(fns, shared_memory=True, context=ctx, autoreset_mode=mode)
     else:
         envs = gym.vector.SyncVectorEnv(fns, autoreset_mode=mode)
     envs.env_id = cfg.env.id  # for error messages that name the env
@@ -360,9 +284,3 @@ def worker_errors(envs: gym.vector.VectorEnv, env_id: str) -> Iterator[None]:
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise RunError(f"env {env_id} failed during step: {type(exc).__name__}: {first[:200]}") from exc
-
-
-def step_envs(envs: gym.vector.VectorEnv, actions: np.ndarray, env_id: str):
-    """``envs.step`` with :func:`worker_errors`."""
-    with worker_errors(envs, env_id):
-        return envs.step(actions)

@@ -31,10 +31,13 @@ from pathlib import Path
 import torch
 
 from visppo.buffer import RolloutBuffer
+from visppo.builders import build_policy
 from visppo.config import Config, ConfigError, parse_bytes
+from visppo.envs import make_env
 from visppo.memory import format_bytes, is_oom, largest_fitting, peak_bytes
 from visppo.policy import ActorCritic
-from visppo.ppo import Precision, minibatch_gradient, score
+from visppo.ppo import MemorySizes, UpdateSetup, infer, minibatch_gradient
+from visppo.precision import Precision, autocast_dtype
 
 CUDA_RUNTIME_OVERHEAD = 600 * 2**20
 """Bytes a CUDA process holds beyond its tensors: the CUDA context with PyTorch's
@@ -71,19 +74,6 @@ class ProbeResult:
         return asdict(self)
 
 
-def target_dtype(amp: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype the target device would use (without needing the device)."""
-    if amp == "auto":
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                return torch.bfloat16  # no driver here: assume a GPU of the last years (Ampere+)
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        from visppo.ppo import cpu_has_fast_bf16
-
-        return torch.bfloat16 if cpu_has_fast_bf16() else None
-    return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
-
-
 def _random_buffer(obs_space, action_space, n: int, device: torch.device) -> RolloutBuffer:
     buf = RolloutBuffer(n, 1, obs_space, action_space, device=device)
     for v in buf.obs.values():
@@ -95,15 +85,12 @@ class Prober:
     """Holds the model once and measures one size at a time."""
 
     def __init__(self, cfg: Config, device: torch.device, mode: str):
-        from visppo.envs import make_env
-        from visppo.train import build_policy
-
         env = make_env(cfg)
         self.obs_space, self.action_space = env.observation_space, env.action_space
         env.close()
         self.cfg, self.device, self.mode = cfg, device, mode
         self.run_device = device if mode == "real" else torch.device("cpu")
-        self.dtype = target_dtype(cfg.train.amp, device)
+        self.dtype = autocast_dtype(cfg.train.amp, device)
         self.policy: ActorCritic = build_policy(cfg, self.obs_space, self.action_space, self.run_device,
                                                 load_weights=False)  # memory does not depend on values
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
@@ -133,12 +120,13 @@ class Prober:
         buf = _random_buffer(self.obs_space, self.action_space, size, self.run_device)
         if kind == "infer_chunk":
             flat = {k: buf.flat(v) for k, v in buf.obs.items()}
-            score(self.policy, flat, buf.flat(buf.actions), size, self.run_device, precision)
+            infer(self.policy, flat, buf.flat(buf.actions), MemorySizes(0, size), self.run_device, precision)
             return
         self.policy.zero_grad(set_to_none=True)
         index = torch.arange(size)
         adv = torch.zeros(size, device=self.run_device)
-        minibatch_gradient(self.policy, buf, index, adv, self.cfg.ppo, size, self.run_device, precision)
+        setup = UpdateSetup(self.cfg.ppo, MemorySizes(size, size), self.run_device, precision)
+        minibatch_gradient(self.policy, buf, index, adv, setup)
         self.policy.zero_grad(set_to_none=True)
 
     def _fake(self, kind: str, size: int, precision: Precision) -> int:

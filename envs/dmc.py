@@ -265,3 +265,56 @@ try:
     register_suite()
 except SuiteUnavailable:
     pass  # gym_id still parses; visppo reports what to install when a dmc id is used
+
+
+def measure_speed(name: str, look: str, image_size: int, frames: int, repeats: int,
+                  samples: int = -1) -> tuple[float, float]:
+    """(frames/s of rendering alone, agent steps/s at action repeat 2 with random actions): medians."""
+    import statistics
+    import time
+
+    domain, task = name.split("-", 1)
+    env = DMCEnv(domain, task, image_size=image_size, look=look, action_repeat=2)
+    if samples >= 0:
+        env.model.vis.quality.offsamples = samples
+    env.action_space.seed(0)
+    env.reset(seed=0)
+    render, step = [], []
+    for _ in range(repeats + 1):  # the first run is warm-up
+        start = time.perf_counter()
+        for _ in range(frames):
+            env._render(image_size, image_size, look)
+        render.append(frames / (time.perf_counter() - start))
+        start = time.perf_counter()
+        for _ in range(frames):
+            if any(env.step(env.action_space.sample())[2:4]):
+                env.reset()
+        step.append(frames / (time.perf_counter() - start))
+    env.close()
+    return statistics.median(render[1:]), statistics.median(step[1:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m visppo_envs.dmc [TASK ...]``: render and step speed of each look."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Frames/s of suite tasks in each look (random actions).")
+    parser.add_argument("tasks", nargs="*", default=["cartpole-swingup", "walker-walk"])
+    parser.add_argument("--image-size", type=int, default=84)
+    parser.add_argument("--frames", type=int, default=200, help="frames (and agent steps) per timed run")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--samples", type=int, nargs="+", default=[-1],
+                        help="anti-aliasing samples to try (-1: the suite's own)")
+    args = parser.parse_args(argv)
+    print("| task | look | anti-aliasing | render frames/s | agent steps/s (repeat 2) |")
+    print("| --- | --- | --- | --- | --- |")
+    for name in args.tasks:
+        for look in LOOKS:
+            for samples in args.samples:
+                render, step = measure_speed(name, look, args.image_size, args.frames, args.repeats, samples)
+                aa = "the suite's" if samples < 0 else str(samples)
+                print(f"| {name} | {look} | {aa} | {render:.0f} | {step:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -254,6 +254,8 @@ def _make_dmc(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
         raise ConfigError(f"env.id {e.id}: {exc} (check env.camera and env.kwargs)") from None
     if e.render_samples >= 0:
         set_render_samples(env, e.render_samples, e.id)
+    # The rate of suite steps, as for envs under ActionRepeat: evaluation videos divide it by the repeat.
+    env.metadata = {**env.metadata, "render_fps": env.unwrapped.metadata["render_fps"] * e.action_repeat}
     return env
 
 

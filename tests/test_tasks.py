@@ -7,6 +7,7 @@ from visppo_envs._gl import ensure_headless_gl
 
 ensure_headless_gl()  # before anything imports mujoco
 
+import csv  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -518,8 +519,6 @@ def train_short(config: str, steps: int, tmp_path: Path) -> list[float]:
            "run.progress=false", "run.tensorboard=false", "run.checkpoint_every=1000",
            "train.seed=1"]
     subprocess.run(cmd, check=True, cwd=tmp_path, timeout=3600)
-    import csv
-
     with (run_dir / "metrics.csv").open() as f:
         returns = [float(row["episode_return"]) for row in csv.DictReader(f)]
     return [r for r in returns if np.isfinite(r)]
@@ -527,8 +526,19 @@ def train_short(config: str, steps: int, tmp_path: Path) -> list[float]:
 
 @pytest.mark.slow
 def test_balance_training_rises_above_random(tmp_path):
-    """configs/balance.yaml: the random policy returns 1.69 +- 0.56 (10 episodes of 125
-    steps); the training-rollout return (mean of the last 100 episodes) was 2.71 at 25k
-    steps in the full run (seed 1) and rises from there."""
+    """configs/balance.yaml: a random policy returns 0.49 +- 0.21 and a zero action 1.0
+    (10 episodes each: the pole falls past 0.6 rad within about 8 steps). In the full
+    run (seed 1) the training return (mean of the last 100 episodes) was 1.0 at 5k steps,
+    3.7 at 20k and 4.2 at 30k."""
     returns = train_short("balance.yaml", 30_000, tmp_path)
-    assert returns[-1] > 2.2, returns[-5:]
+    assert returns[-1] > 2.0, returns[-5:]
+
+
+@pytest.mark.slow
+def test_push_training_rises_above_random(tmp_path):
+    """configs/push.yaml: a random policy returns -0.22 +- 0.73 (20 episodes of 100
+    steps), a zero action 0. In the full run (seed 1) the training return was 0.12 at 5k
+    steps, 1.0 at 15k and 1.3 at 20-25k: the finger learns to go behind the puck (the
+    pushing itself was not learnt in 370k steps, see the README)."""
+    returns = train_short("push.yaml", 25_000, tmp_path)
+    assert returns[-1] > 0.6, returns[-5:]

@@ -66,8 +66,9 @@ class MujocoTask(gym.Env, ABC):
         frame_skip: physics steps per env step; ``None`` uses the task's
             ``DEFAULT_FRAME_SKIP``.
 
-    Episodes never terminate; gymnasium's ``TimeLimit`` (set at registration)
-    truncates them, so every episode has the same length.
+    Episodes end when gymnasium's ``TimeLimit`` (set at registration)
+    truncates them, or earlier where a task's ``_terminated`` says so (Balance
+    ends an episode once the pole has fallen).
     """
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 25}  # fps set per instance
@@ -139,6 +140,10 @@ class MujocoTask(gym.Env, ABC):
     def _state(self) -> np.ndarray:
         """Low-dimensional state for ``obs_mode="pixels_state"``."""
 
+    def _terminated(self) -> bool:
+        """Whether the state reached ends the episode (optional; never by default)."""
+        return False
+
     def _apply_action(self, action: np.ndarray) -> None:
         """Turn an action (already clipped to [-1, 1]) into ``data.ctrl``."""
         self.data.ctrl[:] = action
@@ -162,7 +167,7 @@ class MujocoTask(gym.Env, ABC):
         mujoco.mj_forward(self.model, self.data)
         self._after_step()
         reward = float(self._reward())
-        return self._observation(), reward, False, False, self._info()
+        return self._observation(), reward, bool(self._terminated()), False, self._info()
 
     def render(self) -> np.ndarray | None:
         """The policy camera's frame, identical to the last observation's pixels."""

@@ -12,13 +12,20 @@ get behind it.
 - ``state`` (``obs_mode="pixels_state"``), float32[4]: shoulder angle
   (wrapped to [-pi, pi)), elbow angle, shoulder and elbow velocities (rad/s).
   Proprioception only: puck and goal are seen in the pixels, not given.
-- Reward per step: ``10 x`` the decrease in fingertip-puck distance plus
-  ``20 x`` the decrease in puck-goal distance (metres), plus 0.1 while the puck
-  is on the goal. Progress terms (as in Reach) reward each action for what it
-  did: the first brings the finger to the puck, the second, weighted more,
-  rewards moving the puck to the goal.
+- Reward per step: ``10 x`` the decrease in the distance from the fingertip
+  to the *pushing spot* (the point behind the puck, on the far side from the
+  goal, where the finger touches the puck: ``puck - 0.06 m x unit(goal -
+  puck)``, sliding to the puck centre as the puck gets within 0.05 m of the
+  goal) plus ``20 x`` the decrease in puck-goal distance (metres), plus 0.1
+  while the puck is on the goal. Progress terms (as in Reach) reward each
+  action for what it did: the first brings the finger behind the puck, the
+  second, weighted more, rewards moving the puck to the goal. Both are
+  differences of a potential, so they shape learning without changing which
+  behaviour is best. The first used to lead to the puck centre, which paid a
+  finger for arriving from any side, including the goal's, where its next
+  move pushes the puck away.
 - ``info``: ``is_success`` (puck centre within 0.05 m of the goal centre, i.e.
-  on the goal disc), ``puck_to_goal``, ``tip_to_puck``. No early termination;
+  on the goal disc), ``puck_to_goal``, ``tip_to_puck``, ``tip_to_spot``. No early termination;
   the time limit (200 steps = 8 s) ends episodes.
 """
 
@@ -42,7 +49,8 @@ class PushEnv(PlanarArmTask):
     ASSET = "push.xml"
     DEFAULT_FRAME_SKIP = 4  # 4 x 10 ms = 0.04 s per step
     GOAL_RADIUS = 0.05  # must match the goal geom in push.xml
-    TIP_PROGRESS_SCALE = 10.0  # reward per metre the finger gets closer to the puck
+    TIP_PROGRESS_SCALE = 10.0  # reward per metre the finger gets closer to the pushing spot
+    CONTACT_DISTANCE = 0.06  # puck radius 0.035 + finger radius 0.025 (push.xml)
     PUCK_PROGRESS_SCALE = 20.0  # reward per metre the puck gets closer to the goal
     ON_GOAL_BONUS = 0.1  # reward per step with the puck on the goal
     # Puck and goal centres, inside the fence (radius 0.185 m) where the finger
@@ -52,7 +60,7 @@ class PushEnv(PlanarArmTask):
     GOAL_RING = (0.05, 0.13)
     PUCK_TO_GOAL = (0.08, 0.20)  # start distance range, so every episode needs a push
 
-    _last_distances = (0.0, 0.0)  # (tip_to_puck, puck_to_goal) after the previous step
+    _last_distances = (0.0, 0.0)  # (tip_to_spot, puck_to_goal) after the previous step
 
     def _reset_task(self) -> None:
         rng = self.np_random
@@ -73,26 +81,38 @@ class PushEnv(PlanarArmTask):
         start = int(self.model.joint("puck_x").qposadr[0])
         return slice(start, start + 2)
 
-    def _distances(self) -> tuple[float, float]:
+    def _pushing_spot(self) -> np.ndarray:
+        """Where the finger touches the puck to push it straight at the goal."""
         puck = self._body_xy("puck")
-        tip_to_puck = float(np.linalg.norm(self._body_xy("fingertip") - puck))
-        puck_to_goal = float(np.linalg.norm(puck - self.data.mocap_pos[0, :2]))
-        return tip_to_puck, puck_to_goal
+        to_goal = self.data.mocap_pos[0, :2] - puck
+        dist = float(np.linalg.norm(to_goal))
+        # Near the goal the direction turns fast (and is undefined at the centre):
+        # shrink the offset with the distance there, so the spot moves smoothly.
+        offset = self.CONTACT_DISTANCE * min(1.0, dist / self.GOAL_RADIUS)
+        return puck - offset * to_goal / max(dist, 1e-9)
+
+    def _distances(self) -> tuple[float, float]:
+        """(fingertip to pushing spot, puck to goal), metres."""
+        tip_to_spot = float(np.linalg.norm(self._body_xy("fingertip") - self._pushing_spot()))
+        puck_to_goal = float(np.linalg.norm(self._body_xy("puck") - self.data.mocap_pos[0, :2]))
+        return tip_to_spot, puck_to_goal
 
     def _reward(self) -> float:
-        tip_to_puck, puck_to_goal = self._distances()
-        last_tip_to_puck, last_puck_to_goal = self._last_distances
-        self._last_distances = (tip_to_puck, puck_to_goal)
+        tip_to_spot, puck_to_goal = self._distances()
+        last_tip_to_spot, last_puck_to_goal = self._last_distances
+        self._last_distances = (tip_to_spot, puck_to_goal)
         return (
-            self.TIP_PROGRESS_SCALE * (last_tip_to_puck - tip_to_puck)
+            self.TIP_PROGRESS_SCALE * (last_tip_to_spot - tip_to_spot)
             + self.PUCK_PROGRESS_SCALE * (last_puck_to_goal - puck_to_goal)
             + self.ON_GOAL_BONUS * (puck_to_goal < self.GOAL_RADIUS)
         )
 
     def _info(self) -> dict[str, Any]:
-        tip_to_puck, puck_to_goal = self._distances()
+        tip_to_spot, puck_to_goal = self._distances()
+        tip_to_puck = float(np.linalg.norm(self._body_xy("fingertip") - self._body_xy("puck")))
         return {
             "is_success": bool(puck_to_goal < self.GOAL_RADIUS),
             "puck_to_goal": puck_to_goal,
             "tip_to_puck": tip_to_puck,
+            "tip_to_spot": tip_to_spot,
         }

@@ -24,6 +24,7 @@ from gymnasium.utils.env_checker import check_env  # noqa: E402
 
 import visppo_envs  # noqa: E402, F401  registers the ids
 from visppo_envs import _gl  # noqa: E402
+from visppo_envs.push import distance_around_disc  # noqa: E402
 
 TASKS = ["visppo/Reach-v0", "visppo/Push-v0", "visppo/Balance-v0"]
 OBS_MODES = ["pixels", "pixels_state"]
@@ -332,8 +333,39 @@ def test_push_reward_leads_the_finger_behind_the_puck():
         sim.data.qvel[:] = 0
         mujoco.mj_forward(sim.model, sim.data)
         tip_to_spot[name] = env.step(np.zeros(2, np.float32))[-1]["tip_to_spot"]
-    assert tip_to_spot["behind"] < 0.02 and tip_to_spot["goal side"] > 0.1, tip_to_spot
+    # From the goal's side the way to the spot goes round the puck: half the contact
+    # circle (0.06 m x pi = 0.19 m) plus the 5 mm gap's tangent, not the straight 0.125 m.
+    assert tip_to_spot["behind"] < 0.02 and tip_to_spot["goal side"] > 0.18, tip_to_spot
     env.close()
+
+
+def test_distance_around_disc_is_straight_where_clear_and_wraps_the_rim_otherwise():
+    centre, r = np.array([0.1, -0.2]), 0.06
+    a, b = centre + [0.0, 0.1], centre + [0.3, 0.05]  # the segment passes above the disc
+    assert distance_around_disc(a, b, centre, r) == pytest.approx(np.linalg.norm(a - b))
+    # Opposite sides, the spot on the rim: one tangent of sqrt(R^2 - r^2), then the arc
+    # from the tangent point to the spot, pi - arccos(r / R) radians of it.
+    far, spot = centre + [0.1, 0.0], centre - [r, 0.0]
+    expected = np.sqrt(0.1**2 - r**2) + r * (np.pi - np.arccos(r / 0.1))
+    assert distance_around_disc(far, spot, centre, r) == pytest.approx(expected)
+    assert distance_around_disc(spot, spot, centre, r) == 0.0
+    assert distance_around_disc(far, spot, centre, 0.0) == pytest.approx(0.1 + r)  # no disc
+
+
+def test_distance_around_disc_is_one_lipschitz():
+    """A path length: moving the start by d changes it by at most d (so the shaping reward
+    has no jumps, e.g. where the straight line starts to graze the disc)."""
+    rng = np.random.default_rng(0)
+    centre, r = np.zeros(2), 0.06
+    for _ in range(2000):
+        spot = r * np.array([np.cos(t := rng.uniform(0, 2 * np.pi)), np.sin(t)])
+        a = rng.uniform(-0.2, 0.2, size=2)
+        if np.linalg.norm(a) < r:
+            continue
+        step = rng.normal(size=2) * 1e-3
+        change = abs(distance_around_disc(a + step, spot, centre, r) - distance_around_disc(a, spot, centre, r))
+        assert change <= np.linalg.norm(step) + 1e-9
+        assert distance_around_disc(a, spot, centre, r) >= np.linalg.norm(a - spot) - 1e-12
 
 
 @pytest.mark.parametrize(("frame_skip", "steps"), [(None, 50), (8, 13)])

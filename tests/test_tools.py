@@ -73,6 +73,11 @@ def test_learning_table_takes_mean_and_std_over_seeds_at_each_step_count(tmp_pat
     assert rows[1].split(" | ")[8] == "0 ± 0"  # 2000 steps at 100 steps/s: 0.33 minutes
     assert len(rows) == 3  # the short run has no figure at 2k: its row is left out
     assert (tmp_path / "c.png").stat().st_size > 0
+    proc = subprocess.run([sys.executable, str(TOOLS / "learning_table.py"), "table", str(out), "--at", "1k",
+                           "--plot", str(tmp_path / "s.png"), "--column", "episode_success"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "s.png").read_bytes() != (tmp_path / "c.png").read_bytes()  # another column drawn
 
 
 def test_learning_table_run_skips_finished_runs_and_resumes_stopped_ones(tmp_path):

@@ -3,6 +3,7 @@
     python tools/learning_table.py run configs/balance.yaml configs/push.yaml --seeds 1 2 3 \\
         --out runs/table [--parallel 2] [key=value ...]
     python tools/learning_table.py table runs/table --at 100k 250k 500k [--markdown F] [--plot F]
+        [--column eval/success]
 
 ``run`` trains every config with every seed (``train.seed=S``, ``train.threads=1``, at most
 ``--parallel`` at once: on 2 cores, 2), each in ``OUT/<config>/seed<S>``, logs in its run
@@ -222,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--at", nargs="+", default=["100k", "250k", "500k"])
     t.add_argument("--markdown", type=Path)
     t.add_argument("--plot", type=Path)
+    t.add_argument("--column", default="episode_return",
+                   help="metrics.csv column to plot, e.g. eval/success (default: episode_return)")
     ns, rest = parser.parse_known_args(argv)
     if ns.cmd == "run":
         configs = [c for c in ns.configs if c.suffix in (".yaml", ".yml")]
@@ -240,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.markdown:
         ns.markdown.write_text(text + "\n")
     if ns.plot:
-        plot(ns.out, ns.plot)
+        plot(ns.out, ns.plot, ns.column)
     return 0
 
 

@@ -550,7 +550,7 @@ def train_short(config: str | None, steps: int, tmp_path: Path) -> list[float]:
     config_args = [str(REPO / "configs" / config)] if config else []
     cmd = [sys.executable, "-m", "visppo", "train", *config_args, f"ppo.total_steps={steps}", "ppo.anneal_lr=false", f"run.dir={run_dir}",
            "run.progress=false", "run.tensorboard=false", "run.checkpoint_every=1000",
-           "train.seed=1"]
+           "train.seed=1", "train.threads=1"]
     subprocess.run(cmd, check=True, cwd=tmp_path, timeout=3600)
     with (run_dir / "metrics.csv").open() as f:
         returns = [float(row["episode_return"]) for row in csv.DictReader(f)]

@@ -24,6 +24,9 @@ def resolve_device(name: str, key: str = "train.device") -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{key}={name} but CUDA is not available here: use {key}=cpu or auto")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"{key}={name} but this machine has {torch.cuda.device_count()} GPU(s): "
+                          f"use {key}=cuda:0 .. cuda:{torch.cuda.device_count() - 1}, cuda or auto")
     return device
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -33,6 +34,15 @@ class ConfigError(UserError):
 
 class RunError(RuntimeError):
     """A run that cannot go on (an env worker died, training diverged); shown as one ``error:`` line, exit 1."""
+
+
+class Stopped(Exception):
+    """A run stopped by SIGINT / SIGTERM once its final checkpoint is written: the CLI prints the
+    message (where the checkpoint is, how to resume) and exits 128 + the signal (130, 143)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
 
 
 TORCHVISION_ENCODERS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
@@ -182,7 +192,7 @@ class RolloutConfig:
 @dataclass
 class RunConfig:
     dir: str = ""
-    """Run directory; empty: runs/<task>-<date>-<time>."""
+    """Run directory; empty: runs/<task>-<date>-<time>-<random>."""
     log_every: int = 1
     """Write metrics every this many iterations."""
     checkpoint_every: int = 10
@@ -263,15 +273,62 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} not found: give the path of a YAML file (see configs/)")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            where = getattr(exc, "problem_mark", None)
-            line = f" line {where.line + 1}" if where is not None else ""
-            raise ConfigError(f"{path}{line} is not valid YAML: fix the syntax") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path} must be a mapping of sections (env:, ppo:, ...), not {type(data).__name__}")
+        data = read_yaml(path)
     return build_config(data, overrides, source=str(path) if path is not None else "the defaults")
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (YAML's last-wins hides typos)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # unhashable keys: PyYAML's own error follows
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key '{key}' is given twice in "
+                                  "the same section: keep one")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+MAX_NODES = 10_000
+"""A config has a few hundred values; more (YAML aliases expanding a "billion laughs") is refused."""
+
+
+def read_yaml(path: Path) -> dict:
+    """A YAML config file as nested dicts: valid UTF-8 YAML, no duplicate keys, a mapping, of sane size."""
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader) or {}  # noqa: S506 - safe
+    except ConfigError as exc:
+        raise ConfigError(f"{path} {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text (UTF-8) file: give a YAML config") from None
+    except (yaml.YAMLError, RecursionError) as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"{path}{line} is not valid YAML: fix the syntax") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must be a mapping of sections (env:, ppo:, ...), not {type(data).__name__}")
+    if _count_nodes(data, MAX_NODES) > MAX_NODES:
+        raise ConfigError(f"{path} expands to more than {MAX_NODES} values (YAML aliases?): a visppo config "
+                          "has a few hundred; write the values out")
+    return data
+
+
+def _count_nodes(data: Any, limit: int) -> int:
+    """Values in ``data``, counted through aliases (shared or self-referencing containers), up to ``limit``."""
+    count, stack = 0, [data]
+    while stack and count <= limit:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return count
 
 
 REMOVED = {
@@ -294,9 +351,43 @@ def _drop_removed(data: dict, overrides: list[str] | tuple[str, ...], source: st
     return data
 
 
+def _whole_keys() -> set[str]:
+    """Keys of integer type (``memory.*`` sizes may also be ``auto``)."""
+    return {key for key, (typ, _, _) in field_docs().items() if typ in ("int", "Union[int, str]")}
+
+
+_FLOAT = re.compile(r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$")
+
+
+def _whole(value: Any) -> Any:
+    """``2e6``, ``2.0e6`` or ``1000.0`` as the int they name; anything else unchanged."""
+    number = value
+    if isinstance(value, str) and _FLOAT.match(value):
+        number = float(value)
+    if isinstance(number, float) and math.isfinite(number) and number.is_integer():
+        return int(number)
+    return value
+
+
+def _whole_numbers(data: dict, overrides: list[str] | tuple[str, ...]) -> tuple[dict, list[str]]:
+    """Integer keys written as whole floats (the README's ``ppo.total_steps=2e6``) become ints."""
+    keys = _whole_keys()
+    for section, values in data.items():
+        if isinstance(values, dict):
+            for name, value in values.items():
+                if f"{section}.{name}" in keys and not isinstance(value, bool):
+                    values[name] = _whole(value)
+    out = []
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        out.append(f"{key}={_whole(value)}" if eq and key.strip() in keys else item)
+    return data, out
+
+
 def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source: str = "the config") -> Config:
     """Defaults <- ``data`` (nested sections) <- ``key=value`` overrides, validated."""
     data = _drop_removed(data, overrides, source)
+    data, overrides = _whole_numbers(data, overrides)
     cfg = _schema()
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.create(data))
@@ -353,6 +444,12 @@ def validate(cfg: Config) -> None:
     def positive(key: str, value: float) -> None:
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
+
+    for section in fields(cfg):
+        for f in fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {value}")
 
     for key in ("memory.micro_batch_size", "memory.infer_chunk_size"):
         value = getattr(cfg.memory, key.split(".")[1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  before any test makes a GL context (see envs.preload_before_gl)
 
 from visppo.config import load_config
 

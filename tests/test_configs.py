@@ -1,5 +1,6 @@
 """Every YAML recipe in configs/ loads, validates, and means what it says."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ def _flatten(data: dict, prefix: str = "") -> dict:
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_config_loads_with_every_value_it_sets(path):
     cfg = load_config(path)
-    check_env_id(cfg.env.id)  # a registered task
+    if not (cfg.env.id.startswith("dmc:") and importlib.util.find_spec("dm_control") is None):
+        check_env_id(cfg.env.id)  # a registered task (DeepMind Control ones need the dmc extra)
     written = _flatten(yaml.safe_load(path.read_text()))
     resolved = _flatten(to_dict(cfg))
     assert written, f"{path.name} sets nothing"

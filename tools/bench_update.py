@@ -34,10 +34,10 @@ import gymnasium as gym
 import torch
 
 from visppo.buffer import RolloutBuffer
+from visppo.builders import build_optimizer, build_policy, resolve_device
 from visppo.config import Config, UserError, load_config
 from visppo.envs import make_env, preload_before_gl
 from visppo.memory import format_bytes, peak_bytes
-from visppo.builders import build_optimizer, build_policy, resolve_device
 from visppo.ppo import MemorySizes, UpdateSetup, update
 from visppo.precision import Precision, resolve_precision
 

@@ -54,7 +54,7 @@ AUGMENTATIONS = ("none", "shift")
 @dataclass
 class EnvConfig:
     id: str = "visppo/Reach-v0"
-    """gymnasium id: a visppo task (visppo/DotReach-v0, ...) or any id that renders (Reacher-v5, ...)."""
+    """gymnasium id: a visppo task (visppo/DotReach-v0, ...), any id that renders (Reacher-v5, ...), dmc:<domain>-<task> (DeepMind Control, the dmc extra) or module:EnvId (imports module, which registers EnvId)."""
     pixels: bool = True
     """Observe rendered camera frames; false passes the env's own observation through (must be an image)."""
     state: bool = False
@@ -64,17 +64,17 @@ class EnvConfig:
     frame_stack: int = 1
     """Number of consecutive frames stacked along channels (needed when velocity matters)."""
     action_repeat: int = 1
-    """Times each action is repeated in the env; rewards are summed."""
+    """Times each action is repeated in the env; rewards are summed (dmc ids: the env repeats and renders one frame per agent step)."""
     camera: str = ""
-    """Camera name for gymnasium MuJoCo ids (empty: the env's default camera)."""
+    """Camera name for gymnasium MuJoCo ids (empty: the env's default camera); name or index for dmc ids (empty: 0, quadruped 2)."""
     render_samples: int = -1
     """Anti-aliasing samples of a MuJoCo env's offscreen renderer; -1 keeps the env's own (Reacher-v5: 4). 0 renders Reacher-v5 about 2.5x faster on a software GL (llvmpipe) with nearly the same 84x84 frames."""
     max_episode_steps: int = 0
-    """Time limit in env steps; 0 keeps the env's registered limit."""
+    """Time limit in env steps before action repeat (frames); 0 keeps the env's registered limit (dmc ids: 1000)."""
     vector: str = "auto"
     """sync | async | auto: async worker processes (forkserver) for rendered envs when this process may use more than 2 CPUs; sync otherwise, and for the synthetic tasks."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments passed to gymnasium.make."""
+    """Keyword arguments for the env's constructor, through gymnasium.make (e.g. env.kwargs.look=fast for dmc ids)."""
 
 
 @dataclass

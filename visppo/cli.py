@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from visppo.config import ConfigError, RunError, Stopped, UserError, field_docs, load_config
@@ -188,16 +190,37 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return ns
 
 
+def _one_line(exc: Exception) -> str:
+    """An error as one line (a library's text inside it may hold line breaks)."""
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+def _sigterm(signum: int, frame) -> None:
+    raise Stopped("visppo: stopped by SIGTERM; nothing to save yet", signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _sigterm) if main_thread else None  # not silent (train: saves)
+    try:
+        return _run(ns)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(ns: argparse.Namespace) -> int:
+    """The command, its errors as one line and an exit code (2: bad input, 1: a run that failed,
+    128 + N: stopped by signal N)."""
     try:
         return ns.func(ns)
     except UserError as exc:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # the other processes of a torchrun read the same input
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except RunError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 1
     except Stopped as exc:  # SIGINT / SIGTERM: the final checkpoint is written
         if os.environ.get("RANK", "0") == "0":

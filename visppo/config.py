@@ -283,6 +283,8 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: set = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden
+                continue
             key = self.construct_object(key_node, deep=True)
             if not isinstance(key, (str, int, float, bool)):
                 continue  # unhashable keys: PyYAML's own error follows
@@ -384,9 +386,21 @@ def _whole_numbers(data: dict, overrides: list[str] | tuple[str, ...]) -> tuple[
     return data, out
 
 
+def _check_sections(data: dict, source: str) -> None:
+    """Each known section must be a mapping of keys (``ppo: 5`` is a misplaced value); an empty
+    one (``ppo:`` alone) is an empty mapping."""
+    for name, value in data.items():
+        if name in _known_keys("") and value is None:
+            data[name] = {}
+        elif name in _known_keys("") and value is not None and not isinstance(value, dict):
+            raise ConfigError(f"'{name}' in {source} must be a section of keys (e.g. {name}.{_known_keys(name)[0]}), "
+                              f"not the {type(value).__name__} {str(value)[:40]!r}: indent its keys under it")
+
+
 def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source: str = "the config") -> Config:
     """Defaults <- ``data`` (nested sections) <- ``key=value`` overrides, validated."""
     data = _drop_removed(data, overrides, source)
+    _check_sections(data, source)
     data, overrides = _whole_numbers(data, overrides)
     cfg = _schema()
     try:
@@ -404,7 +418,9 @@ def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source
         except OmegaConfBaseException as exc:
             raise _explain(exc, "the command line") from None
         except Exception as exc:  # yaml errors in the value part
-            raise ConfigError(f"cannot parse override '{item}': {exc}") from None
+            problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+            raise ConfigError(f"cannot parse override '{item}': the value is not valid YAML ({problem}); "
+                              "quote it for a string, e.g. 'key=\"...\"'") from None
     obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(obj)
     return obj
@@ -438,6 +454,10 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
 
 
+MAX_INT = 10**15
+"""Larger whole numbers are typos (and overflow torch's int64 sizes)."""
+
+
 def validate(cfg: Config) -> None:
     """Refuse values that cannot work, naming the key and what to change."""
 
@@ -450,6 +470,8 @@ def validate(cfg: Config) -> None:
             value = getattr(getattr(cfg, section.name), f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {value}")
+            if isinstance(value, int) and abs(value) > MAX_INT:
+                raise ConfigError(f"{section.name}.{f.name}={value} is out of range (at most {MAX_INT:.0e})")
 
     for key in ("memory.micro_batch_size", "memory.infer_chunk_size"):
         value = getattr(cfg.memory, key.split(".")[1])
@@ -472,6 +494,8 @@ def validate(cfg: Config) -> None:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(getattr(cfg, section), name)}")
+    if not 0 <= cfg.train.seed < 2**31:  # numpy takes 32-bit seeds; env and rank seeds are added to it
+        raise ConfigError(f"train.seed must be in 0 .. 2**31 - 1, got {cfg.train.seed}")
     if cfg.env.render_samples < -1:
         raise ConfigError(f"env.render_samples must be -1 (the env's own) or >= 0, got {cfg.env.render_samples}")
     _validate_relations(cfg)

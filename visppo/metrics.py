@@ -119,7 +119,7 @@ def _drop_rows_after(path: Path, step: int) -> list[str] | None:
     if not rows:
         return None
     header, body = rows[0], rows[1:]
-    kept = [r for r in body if r and _step(r[0]) <= step]
+    kept = [r for r in body if len(r) == len(header) and _step(r[0]) <= step]  # and not cut short by a kill
     if len(kept) != len(body):
         tmp = path.with_suffix(".csv.tmp")
         with tmp.open("w", newline="") as f:

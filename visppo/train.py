@@ -34,6 +34,7 @@ from visppo.builders import (
     anneal_lr,
     build_optimizer,
     build_policy,
+    check_memory,
     resolve_device,
     seed_everything,
 )
@@ -150,6 +151,7 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
         rollout_device = (device if cfg.rollout.device == "auto"
                           else ctx.place(resolve_device(cfg.rollout.device, "rollout.device"), "rollout.device"))
         precision = for_run(cfg.train, device, rollout_device)
+        check_memory(cfg, device if cfg.memory.buffer_device == "device" else torch.device("cpu"), device)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         seed_everything(cfg.train.seed, cfg.train.deterministic, device)  # the same model on every rank
@@ -170,6 +172,7 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
             run.profiler = iteration_profiler(run_dir) if cfg.train.profile else None
         with run.profiler or _nothing():
             run.mark = time.perf_counter()  # the first iteration's steps/s starts here
+            signals.armed = True
             yield run
 
 
@@ -202,9 +205,13 @@ class SignalRequest:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.signum = 0
+        self.armed = False
+        """True once the loop runs; before, a signal stops the start at once (nothing to save)."""
 
     def __call__(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        if not self.armed:
+            raise Stopped(f"visppo: stopped by {name} before the first iteration; no checkpoint was due", signum)
         if self.signum:
             os.write(2, f"error: {name} again: aborted without a final checkpoint; resume from the last "
                         f"one with: visppo train --resume {self.run_dir}\n".encode())

@@ -1,6 +1,7 @@
 """Issue 17's bad inputs: each one `error:` line that says what to change, exit 2, nothing lost."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,3 +222,173 @@ def test_item10_a_metrics_csv_that_is_not_utf8(run_copy, capsys, tmp_path):
     assert code == 2
     one_error_line(err, "metrics.csv is not a CSV file visppo wrote")
     assert snapshot(run_copy) == before
+
+
+def test_item3_a_camera_that_does_not_exist_is_refused(tmp_path, capsys):
+    from visppo.envs import make_env
+
+    with pytest.raises(ConfigError, match="env.camera=topp: Reacher-v5 has no camera of that name"):
+        make_env(load_config(None, ["env.id=Reacher-v5", "env.camera=topp", "env.image_size=48"]))
+    code, err = run_main(capsys, "train", *tiny_overrides(tmp_path), "env.camera=side")
+    assert code == 2
+    one_error_line(err, "env.camera=side", "fixed camera 'policy'", "remove env.camera")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override,key", [
+    ("ppo.num_steps=1000000000", "ppo.num_steps"),  # 10**9: the rollout buffer
+    ("env.image_size=100000", "env.image_size"),  # the envs' frames and the buffer
+    ("model.hidden_dim=1e6", "model.hidden_dim"),  # the policy's weights
+    ("model.feature_dim=1e30", "model.feature_dim"),  # more than torch's int64 sizes
+])
+def test_item7_absurd_sizes_name_the_key_and_the_memory_they_need(tmp_path, capsys, override, key):
+    code, err = run_main(capsys, "train", *tiny_overrides(tmp_path), override)
+    assert code == 2
+    line = one_error_line(err, key)
+    assert "would need" in line or "out of range" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_item5_a_full_disk_while_logging_keeps_the_checkpoints_and_metrics(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from visppo.metrics import Logger
+
+    real_log, calls = Logger.log, []
+
+    def full_on_the_third_row(self, step, scalars):
+        calls.append(step)
+        if len(calls) == 3:
+            with self.csv_path.open("a") as f:
+                f.write(f"{step},0.1")  # half a row, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.csv_path))
+        real_log(self, step, scalars)
+
+    monkeypatch.setattr(Logger, "log", full_on_the_third_row)
+    overrides = tiny_overrides(tmp_path, **{"run.checkpoint_every": 1, "ppo.total_steps": 256})
+    code, err = run_main(capsys, "train", *overrides)
+    assert code == 1
+    one_error_line(err, "no space left", "metrics.csv", f"visppo train --resume {tmp_path / 'run'}")
+    assert torch.load(tmp_path / "run" / "checkpoints" / "latest.pt", weights_only=True)["global_step"] == 128
+    monkeypatch.setattr(Logger, "log", real_log)
+    code, err = run_main(capsys, "train", "--resume", tmp_path / "run")
+    assert code == 0, err
+    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["64", "128", "192", "256"]  # the half row is gone
+
+
+def test_item4_a_worker_killed_mid_run_is_one_error_line_and_the_checkpoint_stays(tmp_path, capsys, monkeypatch):
+    import os
+    import signal
+
+    import visppo.train as train_module
+
+    real_collect, calls = train_module.collect_rollout, []
+
+    def kill_a_worker_in_iteration_2(run):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(run.envs.processes[1].pid, signal.SIGKILL)
+            run.envs.processes[1].join()
+        return real_collect(run)
+
+    monkeypatch.setattr(train_module, "collect_rollout", kill_a_worker_in_iteration_2)
+    overrides = tiny_overrides(tmp_path, **{"run.checkpoint_every": 1, "env.vector": "async"})
+    code, err = run_main(capsys, "train", *overrides)
+    assert code == 1
+    one_error_line(err, "worker 1 (exit code -9) died")
+    assert torch.load(tmp_path / "run" / "checkpoints" / "latest.pt", weights_only=True)["global_step"] == 64
+
+
+def test_item17_a_sigterm_while_the_run_starts_stops_it_at_once(tmp_path, capsys, monkeypatch):
+    import os
+    import signal
+
+    import visppo.train as train_module
+
+    real_make = train_module.make_vector_env
+
+    def sigterm_while_building(cfg):
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered here: before the first iteration
+        return real_make(cfg)
+
+    monkeypatch.setattr(train_module, "make_vector_env", sigterm_while_building)
+    before = signal.getsignal(signal.SIGTERM)
+    code, err = run_main(capsys, "train", *tiny_overrides(tmp_path))
+    assert code == 143
+    assert err.strip() == "visppo: stopped by SIGTERM before the first iteration; no checkpoint was due"
+    assert not (tmp_path / "run").exists()
+    assert signal.getsignal(signal.SIGTERM) is before, "the handlers are given back"
+
+
+# --------------------------------------------------------------------------- fuzz
+
+
+class _Started(BaseException):
+    """Raised instead of the first rollout: the run got through every check and built everything."""
+
+
+FUZZ_VALUES = [0, -1, 1, 2, 3, 4, 7, 8, 16, 32, 64, 100, 4096, 2.5, 0.5, 0.9, 0.01, -0.0, 1e-300, 1e9, 1e30,
+               10**12, 2**70, "1e400", "nan", "-inf", "2e6", "1e12", "1_000", "0x10", "", "x", "auto", "cpu",
+               "cuda:9", "off", "on", "sync", "none", "imagenet", "shift", "device", "visppo/DotReach-v0", "%",
+               "'", "[", "é", "a=b", None, True, False, [], [1, 2], {}, {"a": 1}]
+FUZZ_KEYS = ["ppo.nope", "nosection.key", "ppo", "env", "env.kwargs.foo", "env.kwargs", "a.b.c", "", "ppo.", ".x"]
+
+
+def _fuzz_case(rng, tmp: Path, i: int, keys: list[str]) -> list[str]:
+    """A random `visppo train` command line: random keys (known and not) with values of random
+    types as overrides or in a YAML file, random bytes as the YAML file, or a valid file mutated."""
+    import yaml
+
+    pairs = [(rng.choice(keys), rng.choice(FUZZ_VALUES)) for _ in range(rng.randint(1, 3))]
+    base = tiny_overrides(tmp / f"run{i}")
+    mode, path = rng.choice(["overrides", "yaml", "bytes", "mutated"]), tmp / f"c{i}.yaml"
+    if mode == "overrides":
+        return ["train", *base, *[f"{k}={v}" for k, v in pairs]]
+    if mode == "yaml":
+        data: dict = {}
+        for key, value in pairs:
+            *sections, name = key.split(".")
+            node = data
+            for section in sections:
+                node = node.setdefault(section, {}) if isinstance(node.get(section, {}), dict) else {}
+            node[name] = value
+        path.write_text(yaml.safe_dump(data))
+    elif mode == "bytes":
+        path.write_bytes(bytes(rng.randrange(256) for _ in range(rng.randint(0, 200))))
+    else:
+        text = bytearray(b"ppo:\n  num_envs: 2\n  gamma: 0.99\nenv:\n  id: visppo/DotReach-v0\n  image_size: 48\n")
+        for _ in range(rng.randint(1, 4)):
+            text[rng.randrange(len(text))] = rng.choice(b"\x00\xff:-[]{}&*!|>'\"#\n \t0123456789abc")
+        path.write_bytes(bytes(text))
+    return ["train", str(path), *base]
+
+
+@pytest.mark.timeout(300)
+def test_fuzz_every_config_starts_a_run_or_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """Random configs: each either starts a run (everything built, stopped before the first rollout)
+    or exits 2 with one `error:` line; never a traceback, a hang or another exit code."""
+    import random
+
+    import visppo.train as train_module
+    from visppo.config import field_docs
+
+    def started(run):
+        raise _Started
+
+    monkeypatch.setattr(train_module, "collect_rollout", started)
+    rng, outcomes, threads = random.Random(17), {"started": 0, "refused": 0}, torch.get_num_threads()
+    keys = [k for k in field_docs() if k != "run.dir"] + FUZZ_KEYS  # run.dir: not outside tmp_path
+    for i in range(150):
+        args = _fuzz_case(rng, tmp_path, i, keys)
+        try:
+            code, err = run_main(capsys, *args)
+        except _Started:
+            outcomes["started"] += 1
+            continue
+        finally:
+            torch.set_num_threads(threads)  # train.threads may have been fuzzed
+        assert code == 2, (args, err)
+        one_error_line(err)
+        outcomes["refused"] += 1
+    assert outcomes["started"] >= 5 and outcomes["refused"] >= 50, outcomes

@@ -67,7 +67,7 @@ class EnvConfig:
     action_repeat: int = 1
     """Times each action is repeated in the env; rewards are summed (dmc ids: the env repeats and renders one frame per agent step)."""
     camera: str = ""
-    """Camera name for gymnasium MuJoCo ids (empty: the env's default camera); name or index for dmc ids (empty: 0, quadruped 2)."""
+    """Camera name for gymnasium MuJoCo ids (empty: the env's default camera; a name the model lacks is refused); name or index for dmc ids (empty: 0, quadruped 2); visppo's tasks have one fixed camera, 'policy'."""
     render_samples: int = -1
     """Anti-aliasing samples of a MuJoCo env's offscreen renderer; -1 keeps the env's own (Reacher-v5: 4). 0 renders Reacher-v5 about 2.5x faster on a software GL (llvmpipe) with nearly the same 84x84 frames."""
     max_episode_steps: int = 0
@@ -173,11 +173,11 @@ class TrainConfig:
     channels_last: bool = True
     """Run convolutions in channels_last memory format (much faster on CPU); the rollout buffer keeps frames in it too."""
     seed: int = 1
-    """Seed for torch, numpy, python and the envs."""
+    """Seed for torch, numpy, python and the envs (0 .. 2**31 - 1)."""
     deterministic: bool = False
     """Deterministic torch algorithms (slower; for reproducing runs exactly)."""
     threads: int = 0
-    """torch intra-op threads; 0 keeps torch's default."""
+    """torch intra-op threads; 0 keeps torch's default (at most 1024)."""
     max_bad_steps: int = 10
     """Stop the run after this many optimizer steps in a row with a non-finite loss or gradient."""
     profile: bool = False

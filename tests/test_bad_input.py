@@ -392,3 +392,41 @@ def test_fuzz_every_config_starts_a_run_or_is_one_error_line(tmp_path, capsys, m
         one_error_line(err)
         outcomes["refused"] += 1
     assert outcomes["started"] >= 5 and outcomes["refused"] >= 50, outcomes
+
+
+# --------------------------------------------------------------------------- further bad input found while fixing these
+
+
+def test_plot_into_a_directory_and_resume_of_a_file_are_refused(run_copy, capsys, tmp_path):
+    code, err = run_main(capsys, "plot", run_copy, "--out", tmp_path)
+    assert code == 2  # it used to write <dir>.png beside the directory
+    one_error_line(err, "is a directory", "curves.png")
+    assert not tmp_path.with_suffix(".png").exists()
+    code, err = run_main(capsys, "train", "--resume", run_copy / "config.yaml")
+    assert code == 2
+    one_error_line(err, "is a file", f"({run_copy})")
+
+
+@pytest.mark.parametrize("overrides,text,needle", [
+    (["train.threads=1e9"], None, "train.threads must be at most 1024"),  # torch aborted the process
+    (["train.seed=1e12"], None, "train.seed must be in 0 .. 2**31 - 1"),  # numpy's traceback
+    (["train.seed=-1"], None, "train.seed must be in 0 .. 2**31 - 1"),
+    (["model.shift_pad=%"], None, "cannot parse override 'model.shift_pad=%'"),  # was three lines
+    ([], "ppo: 5\n", "'ppo' in"),  # OmegaConf's "int is not a subclass of PPOConfig"
+    ([], "env: [1, 2]\n", "must be a section of keys"),
+])
+def test_more_config_values_are_one_line(tmp_path, capsys, overrides, text, needle):
+    args = list(overrides)
+    if text is not None:
+        (tmp_path / "c.yaml").write_text(text)
+        args.insert(0, tmp_path / "c.yaml")
+    code, err = run_main(capsys, "config", *args)
+    assert code == 2
+    one_error_line(err, needle)
+
+
+def test_yaml_merge_keys_and_empty_sections_still_load(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  <<: {num_envs: 2, num_steps: 32}\n  num_envs: 4\nmodel:\n")
+    cfg = load_config(path)
+    assert (cfg.ppo.num_envs, cfg.ppo.num_steps) == (4, 32)

@@ -224,6 +224,9 @@ def resume_paths(source: str | Path) -> tuple[Path, Path]:
     source = Path(source)
     if source.is_file() and source.parent.name == "checkpoints":
         run_dir, latest = source.parent.parent, source
+    elif source.is_file():
+        raise ConfigError(f"--resume {source} is a file: give its run directory ({source.parent}) or one "
+                          "of the run's checkpoints/iter_N.pt")
     else:
         run_dir, latest = source, source / "checkpoints" / "latest.pt"
     if not run_dir.is_dir() or not (run_dir / "config.yaml").is_file():

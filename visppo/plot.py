@@ -107,6 +107,8 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
     if smooth < 1:
         raise ConfigError(f"smooth must be at least 1 logged point, got {smooth}")
     out = Path(out)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory: give a file name, e.g. {out / 'curves.png'}")
     if not out.suffix:
         out = out.with_suffix(".png")
     fig = Figure(figsize=(11, 4), layout="constrained")

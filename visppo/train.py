@@ -139,7 +139,7 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
     ctx = distributed.Context.from_env()  # torchrun's RANK, WORLD_SIZE...; a world of one without them
     run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
     with ExitStack() as stack, disk_errors(run_dir):
-        signals = stack.enter_context(deferred_signals(run_dir))  # first thing: a Ctrl-C from here on saves
+        signals = stack.enter_context(deferred_signals(run_dir))  # stops the start; saves once armed
         if ctx.is_main:  # rank 0 alone writes the run directory
             if resume is None:
                 check_run_dir(run_dir)  # a new run's directory is created (and locked) once built

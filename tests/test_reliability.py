@@ -108,6 +108,28 @@ def test_the_lock_is_released_when_a_run_fails(tmp_path, monkeypatch):
         pass
 
 
+def test_a_file_system_without_locks_warns_and_goes_on(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with run_dir_lock(tmp_path / "run"):
+        assert (tmp_path / "run" / ".lock").read_text().strip() == str(os.getpid())
+    assert "cannot be locked here (No locks available)" in capsys.readouterr().err
+
+
+def test_a_run_dir_that_cannot_be_created_is_an_error_not_a_traceback(tmp_path):
+    from visppo.config import ConfigError
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="cannot be written"):
+        with run_dir_lock(tmp_path / "file" / "run"):
+            pass
+
+
 def test_default_run_dirs_started_in_the_same_second_differ():
     cfg = load_config(None, tiny_overrides())
     names = {default_run_dir(cfg) for _ in range(50)}

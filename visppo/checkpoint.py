@@ -13,6 +13,7 @@ import fcntl
 import os
 import pickle
 import random
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -303,16 +304,16 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
     refused (a UserError naming its pid). The kernel drops the lock when its holder ends in any way
     (SIGKILL included), so a stale lock never blocks. Temporary files of saves that a kill
     interrupted are swept here, under the lock: no other process can be writing them."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, file_mode())
+    fd = _open_lock_file(run_dir)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            raise UserError(f"run.dir {run_dir} is in use by another visppo process (pid {_holder(fd)}): "
-                            "wait for it to finish or stop it, or choose another run.dir") from None
+            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                _no_locks_here(run_dir, exc)
+            else:
+                raise UserError(f"run.dir {run_dir} is in use by another visppo process (pid {_holder(fd)}): "
+                                "wait for it to finish or stop it, or choose another run.dir") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         for stale in [*run_dir.glob(".*.tmp"), *(run_dir / "checkpoints").glob(".*.tmp")]:
@@ -320,6 +321,24 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _open_lock_file(run_dir: Path) -> int:
+    """The lock file's descriptor; a directory this user cannot write is a ConfigError."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, file_mode())
+    except OSError as exc:
+        raise ConfigError(f"run.dir {run_dir} cannot be written ({exc.strerror}): choose a directory you "
+                          "can write, or fix its permissions") from None
+
+
+def _no_locks_here(run_dir: Path, exc: OSError) -> None:
+    """A file system without ``flock`` (some network mounts): go on unlocked, and say so."""
+    if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+        raise exc
+    print(f"visppo: warning: run.dir {run_dir} cannot be locked here ({exc.strerror}): make sure no other "
+          "visppo process writes it", file=sys.stderr)
 
 
 def _holder(fd: int) -> str:

@@ -246,7 +246,7 @@ def test_torchrun_two_processes_rank_0_writes_and_the_run_resumes_exactly(tmp_pa
     assert [int(r["global_step"]) for r in rows] == [128, 256, 384]  # 2 ranks x 2 envs x 32 steps
     assert [int(r["episodes"]) for r in rows] == [8, 8, 8]  # both ranks' episodes: 2 per env
     assert sorted(p.name for p in full.iterdir() if not p.name.startswith("events")) == [
-        "checkpoints", "config.yaml", "metrics.csv"]
+        ".lock", "checkpoints", "config.yaml", "metrics.csv"]  # .lock: rank 0 held the run-dir lock
     assert len(list(full.glob("events.out.tfevents.*"))) == 1  # one writer: rank 0
     ckpt = torch.load(full / "checkpoints" / "latest.pt", weights_only=True)
     assert ckpt["world_size"] == 2 and len(ckpt["ranks"]) == 2

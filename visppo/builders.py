@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from visppo.config import Config, ConfigError
+from visppo.memory import format_bytes
 from visppo.policy import ActorCritic
 
 
@@ -24,7 +25,58 @@ def resolve_device(name: str, key: str = "train.device") -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{key}={name} but CUDA is not available here: use {key}=cpu or auto")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"{key}={name} but this machine has {torch.cuda.device_count()} GPU(s): "
+                          f"use {key}=cuda:0 .. cuda:{torch.cuda.device_count() - 1}, cuda or auto")
     return device
+
+
+SIZE_KEYS = {"ppo.num_steps": 64, "ppo.num_envs": 8, "env.image_size": 84, "env.frame_stack": 1,
+             "model.hidden_dim": 256, "model.feature_dim": 256, "model.state_hidden_dim": 64}
+"""The keys memory grows with, and their defaults (to say which one is out of scale)."""
+SQUARED = ("env.image_size", "model.hidden_dim")
+"""Keys that memory grows with as their square."""
+
+
+def memory_needs(cfg: Config, buffer_device: torch.device, device: torch.device) -> list[tuple]:
+    """(what, bytes at least, on which device, the keys it grows with) for the big allocations."""
+    e, p, m = cfg.env, cfg.ppo, cfg.model
+    frame = 3 * e.image_size ** 2 * e.frame_stack if e.pixels else 0
+    side = m.resize or e.image_size
+    weights = 4 * m.hidden_dim ** 2 + (2 * m.hidden_dim + 64 * (side // 8) ** 2) * m.feature_dim
+    weights += m.state_hidden_dim * (m.hidden_dim + m.feature_dim) if e.state else 0
+    return [("the rollout buffer", p.num_steps * p.num_envs * (frame + 64), buffer_device,
+             ("ppo.num_steps", "ppo.num_envs", "env.image_size", "env.frame_stack")),
+            ("the envs' frames", 4 * p.num_envs * frame, torch.device("cpu"),
+             ("ppo.num_envs", "env.image_size", "env.frame_stack")),
+            ("the policy and its optimizer", 16 * weights, device,  # fp32 weights, gradients, Adam's two
+             ("model.hidden_dim", "model.feature_dim", "model.state_hidden_dim", "env.image_size"))]
+
+
+def check_memory(cfg: Config, buffer_device: torch.device, device: torch.device) -> None:
+    """Refuse sizes that cannot fit in the machine's memory, before anything is allocated: one
+    line naming the key out of scale and the bytes it would need. Compared with all of the
+    device's memory (not what is free), so only the absurd is refused; the rest is the probe's job."""
+    for what, need, where, keys in memory_needs(cfg, buffer_device, device):
+        have = total_memory(where)
+        if have and need > have:
+            values = {k: getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) for k in keys}
+            scale = {k: (v / SIZE_KEYS[k]) ** (2 if k in SQUARED else 1) for k, v in values.items()}
+            key = max(scale, key=scale.get)
+            sizes = ", ".join(f"{k}={v}" for k, v in values.items())
+            raise ConfigError(f"{key}={values[key]} is too large: {what} would need {format_bytes(need)} "
+                              f"({sizes}), more than the {format_bytes(have)} of {where.type} memory here; "
+                              f"lower {key}")
+
+
+def total_memory(device: torch.device) -> int:
+    """Bytes of memory of ``device`` (the machine's RAM for the CPU); 0 when unknown."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, RuntimeError, AssertionError):
+        return 0
 
 
 def seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:

@@ -8,11 +8,16 @@ refuses pickled objects other than tensors and plain containers.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import pickle
 import random
+import sys
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -75,15 +80,41 @@ def load(path: str | Path) -> dict[str, Any]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        if "global" not in str(exc).lower():  # garbage, not a pickle whose classes were refused
+            raise CheckpointError(f"checkpoint {path} is corrupt or not a visppo checkpoint "
+                                  f"(UnpicklingError){_other_checkpoints(path)}") from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unsafe content"
         raise CheckpointError(f"checkpoint {path} was refused: it holds objects other than tensors "
                               f"and plain data ({first[:160]}); only load files you trust") from None
     except Exception as exc:  # truncated or not a torch file
         raise CheckpointError(f"checkpoint {path} is corrupt or not a visppo checkpoint "
-                              f"({type(exc).__name__}): use another checkpoint") from None
+                              f"({type(exc).__name__}){_other_checkpoints(path)}") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt:
         raise CheckpointError(f"checkpoint {path} is not a visppo checkpoint (no 'model' entry)")
+    bad = non_finite(ckpt["model"])
+    if bad:
+        raise CheckpointError(f"checkpoint {path} holds non-finite weights ({bad}): it cannot act or "
+                              f"train{_other_checkpoints(path)}")
     return ckpt
+
+
+def non_finite(state: Any) -> str:
+    """The first tensor of a state dict with a NaN or infinite value (its name), or ''."""
+    if not isinstance(state, dict):
+        return ""
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+            return str(key)
+    return ""
+
+
+def _other_checkpoints(path: Path) -> str:
+    """What to do instead of a bad checkpoint: the others of its run, newest first, as commands."""
+    others = sorted((p for p in path.parent.glob("iter_*.pt") if p != path), reverse=True)
+    if path.parent.name != "checkpoints" or not others:
+        return ": use another checkpoint"
+    return (f": use an earlier one of the run, e.g. visppo train --resume {others[0]} (or visppo eval "
+            f"{others[0]}); the run has {', '.join(p.name for p in others[:4])}")
 
 
 def read_weights_file(path: Path) -> dict:
@@ -180,8 +211,6 @@ def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimiz
     if len(ranks) > 1:
         state.update(world_size=len(ranks), ranks=ranks)
     numbered = folder / f"iter_{iteration:06d}.pt"
-    for stale in folder.glob(".*.tmp"):  # left by a save that a kill interrupted
-        stale.unlink(missing_ok=True)
     atomic_save(state, numbered)
     atomic_save(state, folder / "latest.pt")
     old = sorted(folder.glob("iter_*.pt"))
@@ -190,19 +219,40 @@ def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimiz
     return folder / "latest.pt"
 
 
+def resume_paths(source: str | Path) -> tuple[Path, Path]:
+    """``--resume`` takes a run directory (its ``checkpoints/latest.pt``) or one of its checkpoints
+    (``RUN/checkpoints/iter_N.pt``): returns (run directory, checkpoint)."""
+    source = Path(source)
+    if source.is_file() and source.parent.name == "checkpoints":
+        run_dir, latest = source.parent.parent, source
+    elif source.is_file():
+        raise ConfigError(f"--resume {source} is a file: give its run directory ({source.parent}) or one "
+                          "of the run's checkpoints/iter_N.pt")
+    else:
+        run_dir, latest = source, source / "checkpoints" / "latest.pt"
+    if not run_dir.is_dir() or not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"--resume {source} is not a run directory (no config.yaml): give the directory "
+                          "a run printed at its start, or one of its checkpoints/iter_N.pt")
+    if not latest.is_file():
+        numbered = sorted((run_dir / "checkpoints").glob("iter_*.pt"))
+        if numbered:  # a kill between the numbered save and latest.pt
+            return run_dir, numbered[-1]
+        raise ConfigError(f"--resume {source}: the run stopped before its first checkpoint, there is nothing "
+                          f"to resume; start it again with: visppo train {run_dir / 'config.yaml'} "
+                          f"run.dir=NEW_DIR (or delete {run_dir})")
+    return run_dir, latest
+
+
 def load_for_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, dict]:
-    """The saved config (with the few allowed overrides) and the checkpoint of a run directory."""
-    run_dir = Path(run_dir)
-    latest = run_dir / "checkpoints" / "latest.pt"
-    if not run_dir.is_dir() or not (run_dir / "config.yaml").is_file() or not latest.is_file():
-        raise ConfigError(f"--resume {run_dir} is not a run directory (no config.yaml and "
-                          "checkpoints/latest.pt): give the directory a run printed at its start")
-    ckpt = load(latest)
+    """The saved config (with the few allowed overrides) and the checkpoint of a run directory
+    (or of one of its ``checkpoints/*.pt`` files)."""
+    run_dir, latest = resume_paths(run_dir)
     for item in overrides:
         key = item.split("=", 1)[0].strip()
         if key not in RESUMABLE:
             raise ConfigError(f"{key} cannot change when resuming (only {', '.join(RESUMABLE)}); "
                               "start a new run for other changes")
+    ckpt = load(latest)
     saved = ckpt["config"]
     saved["run"]["dir"] = str(run_dir)
     cfg = build_config(saved, overrides, source=str(latest))
@@ -240,3 +290,62 @@ def restore(ckpt: dict, policy: torch.nn.Module, optimizer: torch.optim.Optimize
         augment.generator.set_state(ckpt["augment_generator"])
     envs.set_attr("episode", list(ckpt["env_episodes"]))
     return int(ckpt["iteration"]) + 1, int(ckpt["global_step"])
+
+
+# --------------------------------------------------------------------------- one writer per run directory
+
+LOCK_FILE = ".lock"
+"""In the run directory: ``flock``-ed by the process that writes the run, holding its pid."""
+
+
+@contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``run_dir`` while the block runs; another process's run there is
+    refused (a UserError naming its pid). The kernel drops the lock when its holder ends in any way
+    (SIGKILL included), so a stale lock never blocks. Temporary files of saves that a kill
+    interrupted are swept here, under the lock: no other process can be writing them."""
+    fd = _open_lock_file(run_dir)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                _no_locks_here(run_dir, exc)
+            else:
+                raise UserError(f"run.dir {run_dir} is in use by another visppo process (pid {_holder(fd)}): "
+                                "wait for it to finish or stop it, or choose another run.dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        for stale in [*run_dir.glob(".*.tmp"), *(run_dir / "checkpoints").glob(".*.tmp")]:
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _open_lock_file(run_dir: Path) -> int:
+    """The lock file's descriptor; a directory this user cannot write is a ConfigError."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, file_mode())
+    except OSError as exc:
+        raise ConfigError(f"run.dir {run_dir} cannot be written ({exc.strerror}): choose a directory you "
+                          "can write, or fix its permissions") from None
+
+
+def _no_locks_here(run_dir: Path, exc: OSError) -> None:
+    """A file system without ``flock`` (some network mounts): go on unlocked, and say so."""
+    if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+        raise exc
+    print(f"visppo: warning: run.dir {run_dir} cannot be locked here ({exc.strerror}): make sure no other "
+          "visppo process writes it", file=sys.stderr)
+
+
+def _holder(fd: int) -> str:
+    """The pid the lock's holder wrote (it writes it just after locking: wait a moment for it)."""
+    for _ in range(20):
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if text:
+            return text
+        time.sleep(0.05)
+    return "unknown"

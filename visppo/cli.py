@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import signal
 import sys
+import threading
 from pathlib import Path
 
-from visppo.config import ConfigError, RunError, UserError, field_docs, load_config
+from visppo.config import ConfigError, RunError, Stopped, UserError, field_docs, load_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -88,6 +91,10 @@ def cmd_probe(ns: argparse.Namespace) -> int:
     path, overrides = _split(ns.args)
     cfg = load_config(path, overrides)
     device = ns.device or ("cuda" if cfg.train.device == "auto" else cfg.train.device)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got '{device}'")
+    for option, out in (("--json", ns.json), ("--plot", ns.plot), ("--write-config", ns.write_config)):
+        _check_output(option, out)
     result = probe(cfg, ns.budget or cfg.memory.budget, device, ns.mode, ns.margin)
     print(format_table(result))
     if ns.json:
@@ -99,6 +106,17 @@ def cmd_probe(ns: argparse.Namespace) -> int:
         cfg.memory.infer_chunk_size = result.infer_chunk_size
         atomic_write_text(Path(ns.write_config), to_yaml(cfg))
     return 0
+
+
+def _check_output(option: str, out: str | None) -> None:
+    """An output file's path must name a file in an existing directory (checked before any work)."""
+    if out is None:
+        return
+    path = Path(out)
+    if path.is_dir():
+        raise ConfigError(f"{option} {out} is a directory: give a file name, e.g. {path / 'probe.out'}")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{option} {out}: directory {path.parent} does not exist: create it first")
 
 
 def cmd_config(ns: argparse.Namespace) -> int:
@@ -121,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]",
                    help="a YAML file from configs/ and/or overrides such as ppo.num_envs=4")
     p.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue a run from its checkpoints/latest.pt (may raise ppo.total_steps)")
+                   help="continue a run from its checkpoints/latest.pt, or from RUN_DIR/checkpoints/iter_N.pt "
+                        "(may raise ppo.total_steps)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("bench", help="bench devices: time acting and one micro-batch update per device")
     p.add_argument("what", choices=["devices"], help="what to benchmark")
@@ -171,17 +190,42 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return ns
 
 
+def _one_line(exc: Exception) -> str:
+    """An error as one line (a library's text inside it may hold line breaks)."""
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+def _sigterm(signum: int, frame) -> None:
+    raise Stopped("visppo: stopped by SIGTERM; nothing to save yet", signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _sigterm) if main_thread else None  # not silent (train: saves)
+    try:
+        return _run(ns)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(ns: argparse.Namespace) -> int:
+    """The command, its errors as one line and an exit code (2: bad input, 1: a run that failed,
+    128 + N: stopped by signal N)."""
     try:
         return ns.func(ns)
     except UserError as exc:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # the other processes of a torchrun read the same input
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except RunError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 1
+    except Stopped as exc:  # SIGINT / SIGTERM: the final checkpoint is written
+        if os.environ.get("RANK", "0") == "0":
+            print(exc, file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
         print("visppo: interrupted", file=sys.stderr)
         return 130

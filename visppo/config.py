@@ -12,7 +12,9 @@ learning, ``memory.*`` sizes only change how much memory one pass takes.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
+import math
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -33,6 +35,15 @@ class ConfigError(UserError):
 
 class RunError(RuntimeError):
     """A run that cannot go on (an env worker died, training diverged); shown as one ``error:`` line, exit 1."""
+
+
+class Stopped(Exception):
+    """A run stopped by SIGINT / SIGTERM once its final checkpoint is written: the CLI prints the
+    message (where the checkpoint is, how to resume) and exits 128 + the signal (130, 143)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
 
 
 TORCHVISION_ENCODERS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
@@ -56,7 +67,7 @@ class EnvConfig:
     action_repeat: int = 1
     """Times each action is repeated in the env; rewards are summed (dmc ids: the env repeats and renders one frame per agent step)."""
     camera: str = ""
-    """Camera name for gymnasium MuJoCo ids (empty: the env's default camera); name or index for dmc ids (empty: 0, quadruped 2)."""
+    """Camera name for gymnasium MuJoCo ids (empty: the env's default camera; a name the model lacks is refused); name or index for dmc ids (empty: 0, quadruped 2); visppo's tasks have one fixed camera, 'policy'."""
     render_samples: int = -1
     """Anti-aliasing samples of a MuJoCo env's offscreen renderer; -1 keeps the env's own (Reacher-v5: 4). 0 renders Reacher-v5 about 2.5x faster on a software GL (llvmpipe) with nearly the same 84x84 frames."""
     max_episode_steps: int = 0
@@ -162,11 +173,11 @@ class TrainConfig:
     channels_last: bool = True
     """Run convolutions in channels_last memory format (much faster on CPU); the rollout buffer keeps frames in it too."""
     seed: int = 1
-    """Seed for torch, numpy, python and the envs."""
+    """Seed for torch, numpy, python and the envs (0 .. 2**31 - 1)."""
     deterministic: bool = False
     """Deterministic torch algorithms (slower; for reproducing runs exactly)."""
     threads: int = 0
-    """torch intra-op threads; 0 keeps torch's default."""
+    """torch intra-op threads; 0 keeps torch's default (at most 1024)."""
     max_bad_steps: int = 10
     """Stop the run after this many optimizer steps in a row with a non-finite loss or gradient."""
     profile: bool = False
@@ -182,7 +193,7 @@ class RolloutConfig:
 @dataclass
 class RunConfig:
     dir: str = ""
-    """Run directory; empty: runs/<task>-<date>-<time>."""
+    """Run directory; empty: runs/<task>-<date>-<time>-<random>."""
     log_every: int = 1
     """Write metrics every this many iterations."""
     checkpoint_every: int = 10
@@ -263,15 +274,64 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} not found: give the path of a YAML file (see configs/)")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            where = getattr(exc, "problem_mark", None)
-            line = f" line {where.line + 1}" if where is not None else ""
-            raise ConfigError(f"{path}{line} is not valid YAML: fix the syntax") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path} must be a mapping of sections (env:, ppo:, ...), not {type(data).__name__}")
+        data = read_yaml(path)
     return build_config(data, overrides, source=str(path) if path is not None else "the defaults")
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (YAML's last-wins hides typos)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # unhashable keys: PyYAML's own error follows
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key '{key}' is given twice in "
+                                  "the same section: keep one")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+MAX_NODES = 10_000
+"""A config has a few hundred values; more (YAML aliases expanding a "billion laughs") is refused."""
+
+
+def read_yaml(path: Path) -> dict:
+    """A YAML config file as nested dicts: valid UTF-8 YAML, no duplicate keys, a mapping, of sane size."""
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader) or {}  # noqa: S506 - safe
+    except ConfigError as exc:
+        raise ConfigError(f"{path} {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text (UTF-8) file: give a YAML config") from None
+    except (yaml.YAMLError, RecursionError) as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"{path}{line} is not valid YAML: fix the syntax") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must be a mapping of sections (env:, ppo:, ...), not {type(data).__name__}")
+    if _count_nodes(data, MAX_NODES) > MAX_NODES:
+        raise ConfigError(f"{path} expands to more than {MAX_NODES} values (YAML aliases?): a visppo config "
+                          "has a few hundred; write the values out")
+    return data
+
+
+def _count_nodes(data: Any, limit: int) -> int:
+    """Values in ``data``, counted through aliases (shared or self-referencing containers), up to ``limit``."""
+    count, stack = 0, [data]
+    while stack and count <= limit:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return count
 
 
 REMOVED = {
@@ -294,9 +354,57 @@ def _drop_removed(data: dict, overrides: list[str] | tuple[str, ...], source: st
     return data
 
 
+@functools.cache
+def _whole_keys() -> frozenset[str]:
+    """Keys of integer type (``memory.*`` sizes may also be ``auto``); cached: reading the field
+    docs parses the source (a third of a second)."""
+    return frozenset({key for key, (typ, _, _) in field_docs().items() if typ in ("int", "Union[int, str]")})
+
+
+_FLOAT = re.compile(r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$")
+
+
+def _whole(value: Any) -> Any:
+    """``2e6``, ``2.0e6`` or ``1000.0`` as the int they name; anything else unchanged."""
+    number = value
+    if isinstance(value, str) and _FLOAT.match(value):
+        number = float(value)
+    if isinstance(number, float) and math.isfinite(number) and number.is_integer():
+        return int(number)
+    return value
+
+
+def _whole_numbers(data: dict, overrides: list[str] | tuple[str, ...]) -> tuple[dict, list[str]]:
+    """Integer keys written as whole floats (the README's ``ppo.total_steps=2e6``) become ints."""
+    keys = _whole_keys()
+    for section, values in data.items():
+        if isinstance(values, dict):
+            for name, value in values.items():
+                if f"{section}.{name}" in keys and not isinstance(value, bool):
+                    values[name] = _whole(value)
+    out = []
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        out.append(f"{key}={_whole(value)}" if eq and key.strip() in keys else item)
+    return data, out
+
+
+def _check_sections(data: dict, source: str) -> None:
+    """Each known section must be a mapping of keys (``ppo: 5`` is a misplaced value); an empty
+    one (``ppo:`` alone) is an empty mapping."""
+    for name, value in data.items():
+        if name in _known_keys("") and value is None:
+            data[name] = {}
+        elif name in _known_keys("") and value is not None and not isinstance(value, dict):
+            raise ConfigError(f"'{name}' in {source} must be a section of keys (e.g. {name}.{_known_keys(name)[0]}), "
+                              f"not the {type(value).__name__} {str(value)[:40]!r}: indent its keys under it")
+
+
 def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source: str = "the config") -> Config:
     """Defaults <- ``data`` (nested sections) <- ``key=value`` overrides, validated."""
     data = _drop_removed(data, overrides, source)
+    _check_sections(data, source)
+    data, overrides = _whole_numbers(data, overrides)
     cfg = _schema()
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.create(data))
@@ -313,7 +421,9 @@ def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source
         except OmegaConfBaseException as exc:
             raise _explain(exc, "the command line") from None
         except Exception as exc:  # yaml errors in the value part
-            raise ConfigError(f"cannot parse override '{item}': {exc}") from None
+            problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+            raise ConfigError(f"cannot parse override '{item}': the value is not valid YAML ({problem}); "
+                              "quote it for a string, e.g. 'key=\"...\"'") from None
     obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(obj)
     return obj
@@ -347,12 +457,26 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
 
 
+MAX_THREADS = 1024
+"""More CPU threads than any machine has cores (torch.set_num_threads aborts on huge counts)."""
+MAX_INT = 10**15
+"""Larger whole numbers are typos (and overflow torch's int64 sizes)."""
+
+
 def validate(cfg: Config) -> None:
     """Refuse values that cannot work, naming the key and what to change."""
 
     def positive(key: str, value: float) -> None:
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
+
+    for section in fields(cfg):
+        for f in fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {value}")
+            if isinstance(value, int) and abs(value) > MAX_INT:
+                raise ConfigError(f"{section.name}.{f.name}={value} is out of range (at most {MAX_INT:.0e})")
 
     for key in ("memory.micro_batch_size", "memory.infer_chunk_size"):
         value = getattr(cfg.memory, key.split(".")[1])
@@ -375,6 +499,10 @@ def validate(cfg: Config) -> None:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(getattr(cfg, section), name)}")
+    if cfg.train.threads > MAX_THREADS:  # torch aborts the process for absurd counts
+        raise ConfigError(f"train.threads must be at most {MAX_THREADS} (0: torch's default), got {cfg.train.threads}")
+    if not 0 <= cfg.train.seed < 2**31:  # numpy takes 32-bit seeds; env and rank seeds are added to it
+        raise ConfigError(f"train.seed must be in 0 .. 2**31 - 1, got {cfg.train.seed}")
     if cfg.env.render_samples < -1:
         raise ConfigError(f"env.render_samples must be -1 (the env's own) or >= 0, got {cfg.env.render_samples}")
     _validate_relations(cfg)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -217,6 +218,9 @@ def _make_env(cfg: Config) -> gym.Env:
     if e.max_episode_steps:
         kwargs["max_episode_steps"] = e.max_episode_steps
     if _is_visppo_task(env_id):
+        if e.camera not in ("", "policy"):
+            raise ConfigError(f"env.camera={e.camera}: visppo's tasks see through their fixed camera 'policy' "
+                              "(it frames the workspace); remove env.camera")
         env = gym.make(env_id, image_size=e.image_size,
                        obs_mode="pixels_state" if e.state else "pixels", **kwargs)
         if e.render_samples >= 0:
@@ -277,6 +281,8 @@ def _make_rendered(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
                        **cam, **kwargs)
     except TypeError:  # envs that do not take a render size
         env = gym.make(env_id, render_mode="rgb_array", **kwargs)
+    if e.camera:
+        check_camera(env, e.camera, e.id)
     if e.render_samples >= 0:  # before AddRenderObservation renders its first frame
         set_render_samples(env, e.render_samples, env_id)
     if env.render_mode != "rgb_array" or "rgb_array" not in env.metadata.get("render_modes", []):
@@ -285,6 +291,25 @@ def _make_rendered(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
                           "pick an env that renders, or one with image observations and env.pixels=false")
     return gym.wrappers.AddRenderObservation(env, render_only=not e.state,
                                              render_key="pixels", obs_key="state")
+
+
+def check_camera(env: gym.Env, camera: str, env_id: str) -> None:
+    """``env.camera`` must name a camera of the env's MuJoCo model: gymnasium's renderer falls
+    back to its free camera for an unknown name, silently training on another view."""
+    import mujoco
+
+    model = getattr(env.unwrapped, "model", None)
+    if not isinstance(model, mujoco.MjModel):
+        env.close()
+        raise ConfigError(f"env.camera applies to MuJoCo envs (and dmc ids), and {env_id} is not one: "
+                          "remove env.camera")
+    if mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, camera) < 0:
+        names = [mujoco.mj_id2name(model, mujoco.mjtObj.mjOBJ_CAMERA, i) for i in range(model.ncam)]
+        names = [n for n in names if n]
+        env.close()
+        has = f"its cameras: {', '.join(names)}" if names else "it has no named camera"
+        raise ConfigError(f"env.camera={camera}: {env_id} has no camera of that name ({has}); fix the name "
+                          "or remove env.camera for the default view")
 
 
 def set_render_samples(env: gym.Env, samples: int, env_id: str) -> None:
@@ -337,8 +362,18 @@ def use_async(cfg: Config) -> bool:
 
 def _thunk(cfg: Config):
     def make() -> gym.Env:
+        if multiprocessing.parent_process() is not None:
+            ignore_stop_signals()
         return make_env(cfg)
     return make
+
+
+def ignore_stop_signals() -> None:
+    """In a worker process: leave SIGINT / SIGTERM to the learner. A Ctrl-C reaches the whole
+    process group, and the learner needs its workers alive to write the final checkpoint; a
+    worker still ends when the learner does (its pipe closes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def preload_before_gl() -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from visppo.config import ConfigError
+
 
 class PhaseTimer:
     """Wall time per named phase (collect, score, update, ...) since the last ``reset``.
@@ -98,14 +100,26 @@ class Logger:
             self.writer.close()
 
 
+def _step(cell: str) -> float:
+    """A row's global_step; a row a kill cut short (unreadable) counts as after every step."""
+    try:
+        return float(cell)
+    except ValueError:
+        return math.inf
+
+
 def _drop_rows_after(path: Path, step: int) -> list[str] | None:
     """Keep the CSV rows up to ``step`` (a resumed run redoes the rest); returns the header."""
-    with path.open(newline="") as f:
-        rows = list(csv.reader(f))
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ConfigError(f"{path} is not a CSV file visppo wrote ({type(exc).__name__}): move it away "
+                          "(the resumed run then starts a new one) and resume again") from None
     if not rows:
         return None
     header, body = rows[0], rows[1:]
-    kept = [r for r in body if r and float(r[0]) <= step]
+    kept = [r for r in body if len(r) == len(header) and _step(r[0]) <= step]  # and not cut short by a kill
     if len(kept) != len(body):
         tmp = path.with_suffix(".csv.tmp")
         with tmp.open("w", newline="") as f:

@@ -35,10 +35,14 @@ def read_metrics(run_dir: Path) -> dict[str, np.ndarray]:
     if not path.is_file():
         raise ConfigError(f"{run_dir} has no metrics.csv: give a run directory written by `visppo train` "
                           "(it holds config.yaml, metrics.csv and checkpoints/)")
-    with path.open(newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        rows = list(reader)
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            rows = list(reader)
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ConfigError(f"{path} is not a CSV file visppo wrote ({type(exc).__name__}): give the "
+                          "directory of a visppo run") from None
     if not header or "global_step" not in header:
         raise ConfigError(f"{path} has no global_step column: it is not a visppo metrics file")
     columns: dict[str, list[float]] = {name: [] for name in header}
@@ -103,6 +107,8 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
     if smooth < 1:
         raise ConfigError(f"smooth must be at least 1 logged point, got {smooth}")
     out = Path(out)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory: give a file name, e.g. {out / 'curves.png'}")
     if not out.suffix:
         out = out.with_suffix(".png")
     fig = Figure(figsize=(11, 4), layout="constrained")

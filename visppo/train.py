@@ -10,11 +10,15 @@ rollout, one policy whose minibatch gradients are averaged over the processes
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import secrets
+import signal
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -30,10 +34,11 @@ from visppo.builders import (
     anneal_lr,
     build_optimizer,
     build_policy,
+    check_memory,
     resolve_device,
     seed_everything,
 )
-from visppo.config import Config, ConfigError, RunError, to_yaml
+from visppo.config import Config, ConfigError, RunError, Stopped, to_yaml
 from visppo.encoders import FreezeSchedule
 from visppo.envs import check_env_id, make_vector_env
 from visppo.evaluate import run_episodes
@@ -74,6 +79,7 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
                 log(run, iteration, episodes, result, timer.reset())
                 check_divergence(run, result)
                 maybe_checkpoint(run, iteration)
+            stop_if_signalled(run, iteration)  # SIGINT / SIGTERM: final checkpoint, then Stopped
     return run.dir
 
 
@@ -109,6 +115,8 @@ class Run:
     """Optimizer steps skipped in a row for a non-finite loss or gradient."""
     mark: float = field(default_factory=time.perf_counter)
     """When the previous iteration's steps/s was measured (it spans a whole iteration)."""
+    signals: SignalRequest | None = None
+    """The SIGINT / SIGTERM received during the run (asks for a final checkpoint)."""
 
     @property
     def global_rollout(self) -> int:
@@ -126,39 +134,107 @@ class Run:
 
 @contextmanager
 def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
-    """Check the input, join the other processes, build envs, policy, optimizer and buffer,
-    restore a checkpoint, open the logs; close everything on the way out."""
+    """Check the input, lock the run directory, join the other processes, build envs, policy,
+    optimizer and buffer, restore a checkpoint, open the logs; close everything on the way out."""
     ctx = distributed.Context.from_env()  # torchrun's RANK, WORLD_SIZE...; a world of one without them
     run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
-    if resume is None and ctx.is_main:  # rank 0 alone writes the run directory
-        check_run_dir(run_dir)
-    resume = ckpt_io.resume_for_rank(resume, ctx) if resume is not None else None
-    check_env_id(cfg.env.id)
-    device = ctx.place(resolve_device(cfg.train.device))  # cuda -> cuda:LOCAL_RANK
-    rollout_device = (device if cfg.rollout.device == "auto"
-                      else ctx.place(resolve_device(cfg.rollout.device, "rollout.device"), "rollout.device"))
-    precision = for_run(cfg.train, device, rollout_device)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    seed_everything(cfg.train.seed, cfg.train.deterministic, device)  # the same model on every rank
-    owns_group = distributed.init(ctx, device)  # gloo on CPUs, NCCL on GPUs; nothing when alone
-    if ctx.enabled:
-        run_dir = Path(distributed.broadcast(str(run_dir)))  # rank 0's: a default name holds the time
-    envs, run = make_vector_env(cfg), None
-    try:
+    with ExitStack() as stack, disk_errors(run_dir):
+        signals = stack.enter_context(deferred_signals(run_dir))  # stops the start; saves once armed
+        if ctx.is_main:  # rank 0 alone writes the run directory
+            if resume is None:
+                check_run_dir(run_dir)  # a new run's directory is created (and locked) once built
+            else:
+                stack.enter_context(ckpt_io.run_dir_lock(run_dir))
+        resume = ckpt_io.resume_for_rank(resume, ctx) if resume is not None else None
+        check_env_id(cfg.env.id)
+        device = ctx.place(resolve_device(cfg.train.device))  # cuda -> cuda:LOCAL_RANK
+        rollout_device = (device if cfg.rollout.device == "auto"
+                          else ctx.place(resolve_device(cfg.rollout.device, "rollout.device"), "rollout.device"))
+        precision = for_run(cfg.train, device, rollout_device)
+        check_memory(cfg, device if cfg.memory.buffer_device == "device" else torch.device("cpu"), device)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        seed_everything(cfg.train.seed, cfg.train.deterministic, device)  # the same model on every rank
+        if distributed.init(ctx, device):  # gloo on CPUs, NCCL on GPUs; nothing when alone
+            stack.callback(distributed.destroy)
+        if ctx.enabled:
+            run_dir = Path(distributed.broadcast(str(run_dir)))  # rank 0's: a default name holds the time
+        envs = make_vector_env(cfg)
+        stack.callback(close_envs, envs)
         run = build_run(cfg, ctx, run_dir, device, rollout_device, precision, envs, resume)
+        run.signals = signals
         if ctx.is_main:
+            if resume is None:
+                stack.enter_context(ckpt_io.run_dir_lock(run_dir))
+                check_run_dir(run_dir)  # again, under the lock: another process may have started here
             open_logs(run, resume is not None)
+            stack.callback(run.logger.close)
             run.profiler = iteration_profiler(run_dir) if cfg.train.profile else None
         with run.profiler or _nothing():
             run.mark = time.perf_counter()  # the first iteration's steps/s starts here
+            signals.armed = True
             yield run
-    finally:
-        if run is not None and run.logger is not None:
-            run.logger.close()
+
+
+def close_envs(envs: gym.vector.VectorEnv) -> None:
+    """Close the envs on the way out; a worker that already died (its error is being reported)
+    cannot be closed cleanly, and that must not hide the error with a BrokenPipeError."""
+    try:
         envs.close()
-        if owns_group:
-            distributed.destroy()
+    except (OSError, EOFError):
+        pass
+
+
+@contextmanager
+def disk_errors(run_dir: Path) -> Iterator[None]:
+    """A full disk (or quota) while writing checkpoints or logs: one RunError. Writes are atomic,
+    so what is on disk stays readable and the run resumes from its last checkpoint."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise RunError(f"no space left on the device writing {exc.filename or run_dir}: free some space, then "
+                       f"resume with visppo train --resume {run_dir} (its last checkpoint is complete)") from None
+
+
+class SignalRequest:
+    """SIGINT / SIGTERM during a run: the first asks the loop for a final checkpoint at the end of
+    the iteration in progress; a second aborts at once (the last checkpoint on disk is complete)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.signum = 0
+        self.armed = False
+        """True once the loop runs; before, a signal stops the start at once (nothing to save)."""
+
+    def __call__(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if not self.armed:
+            raise Stopped(f"visppo: stopped by {name} before the first iteration; no checkpoint was due", signum)
+        if self.signum:
+            os.write(2, f"error: {name} again: aborted without a final checkpoint; resume from the last "
+                        f"one with: visppo train --resume {self.run_dir}\n".encode())
+            os._exit(128 + signum)
+        self.signum = signum
+        os.write(2, f"visppo: {name}: writing a checkpoint at the end of this iteration (send it again to "
+                    "abort at once)\n".encode())
+
+
+@contextmanager
+def deferred_signals(run_dir: Path) -> Iterator[SignalRequest]:
+    """Route SIGINT and SIGTERM to a :class:`SignalRequest` while the run lives (main thread only:
+    Python delivers signals there); the previous handlers come back on the way out."""
+    request = SignalRequest(run_dir)
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+    previous = {s: signal.signal(s, request) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield request
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torch.device,
@@ -218,14 +294,24 @@ def _nothing() -> Iterator[None]:
 
 
 def default_run_dir(cfg: Config) -> Path:
+    """``runs/<task>-<date>-<time>-<random>``: runs started in the same second get different names
+    (and the run-dir lock refuses the astronomically unlikely clash)."""
     task = cfg.env.id.replace("/", "-").replace(":", "-")
-    return Path("runs") / f"{task}-{datetime.now():%Y%m%d-%H%M%S}"
+    return Path("runs") / f"{task}-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+
+
+RUN_FILES = ("config.yaml", "metrics.csv", "checkpoints")
+"""What a run writes in its directory; a new run refuses a directory holding any of them."""
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """Refuse a run directory we could not write, or one that already holds a run."""
-    if (run_dir / "config.yaml").exists():
-        raise ConfigError(f"run.dir {run_dir} already holds a run: choose another run.dir")
+    """Refuse a run directory we could not write, or one that already holds (part of) a run."""
+    found = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if found:
+        resume = (f"resume it with visppo train --resume {run_dir}" if "config.yaml" in found
+                  else "move them away")
+        raise ConfigError(f"run.dir {run_dir} already holds a run ({', '.join(found)}): choose another "
+                          f"run.dir, or {resume}")
     parent = run_dir
     while not parent.exists():
         parent = parent.parent
@@ -298,22 +384,45 @@ def check_divergence(run: Run, result: UpdateResult) -> None:
     run.bad_in_a_row = (result.trailing_skips if result.optimizer_steps
                         else run.bad_in_a_row + result.skipped_steps)
     if run.bad_in_a_row >= run.cfg.train.max_bad_steps:
+        latest = run.dir / "checkpoints" / "latest.pt"
+        kept = (f"the last good checkpoint is {latest}" if latest.is_file()
+                else "it had written no checkpoint yet")
+        amp = run.precision.update.name
+        fix = "lower ppo.learning_rate" + (f" or try train.amp=off (it is {amp})" if amp != "off" else "")
         raise RunError(f"training diverged: {run.bad_in_a_row} optimizer steps in a row had a non-finite "
-                       f"loss or gradient (train.max_bad_steps={run.cfg.train.max_bad_steps}); the last "
-                       f"good checkpoint is kept in {run.dir / 'checkpoints'}: lower "
-                       "ppo.learning_rate or try train.amp=off")
+                       f"loss or gradient (train.max_bad_steps={run.cfg.train.max_bad_steps}); {kept}: "
+                       f"{fix} and start a new run")
 
 
 def maybe_checkpoint(run: Run, iteration: int) -> None:
-    """Every ``run.checkpoint_every`` iterations and at the end: every rank's streams, saved by rank 0."""
-    if iteration % run.cfg.run.checkpoint_every and iteration != run.num_iterations:
-        return
+    """Every ``run.checkpoint_every`` iterations and at the end."""
+    if iteration % run.cfg.run.checkpoint_every == 0 or iteration == run.num_iterations:
+        save_checkpoint(run, iteration)
+
+
+def save_checkpoint(run: Run, iteration: int) -> None:
+    """Every rank's streams, saved by rank 0."""
     mine = ckpt_io.rank_state(run.setup.generator, run.envs, run.policy.augment)
     ranks = distributed.all_gather(mine) if run.ctx.enabled else [mine]
     if run.ctx.is_main:
         sizes = {"micro": run.setup.sizes.micro, "chunk": run.setup.sizes.chunk}
         ckpt_io.save_checkpoint(run.dir, run.cfg, run.policy, run.optimizer, run.setup.precision.scaler,
                                 iteration, run.global_step, sizes, ranks)
+
+
+def stop_if_signalled(run: Run, iteration: int) -> None:
+    """After an iteration: on SIGINT / SIGTERM (any rank's), write the final checkpoint (unless
+    this iteration wrote one) and raise :class:`Stopped`; a finished run just ends."""
+    signum = run.signals.signum if run.signals is not None else 0
+    if run.ctx.enabled:  # every rank stops after the same iteration
+        signum = max(distributed.all_gather(signum))
+    if not signum or iteration == run.num_iterations:
+        return
+    if iteration % run.cfg.run.checkpoint_every:
+        save_checkpoint(run, iteration)
+    raise Stopped(f"visppo: stopped by {signal.Signals(signum).name} at step {run.global_step}, checkpoint "
+                  f"{run.dir / 'checkpoints' / 'latest.pt'}; resume with: visppo train --resume {run.dir}",
+                  signum)
 
 
 def periodic_eval(policy: ActorCritic, cfg: Config, run_dir: Path, iteration: int,

@@ -165,7 +165,7 @@ def test_phase_times_are_logged_and_profile_records_one_iteration(tmp_path):
     for r in rows:  # the phases are the iteration: their sum is the time steps/s was measured over
         span = 64 / float(r["steps_per_second"])
         phases = sum(float(r[f"time/{p}"]) for p in ("collect", "values", "update", "log"))
-        assert 0.8 * span <= phases <= span, (phases, span)
+        assert 0.8 * span <= phases <= span + 1e-3, (phases, span)  # clocks read microseconds apart
     traces = list((run_dir / "profile").glob("*.pt.trace.json*"))
     assert len(traces) == 1
     raw = traces[0].read_bytes()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  before any test makes a GL context (see envs.preload_before_gl)
 
 from visppo.config import load_config
 
@@ -28,3 +29,30 @@ def tiny_overrides(tmp_path=None, **extra) -> list[str]:
 @pytest.fixture
 def tiny_cfg(tmp_path):
     return load_config(None, tiny_overrides(tmp_path))
+
+
+def setup_of(cfg, micro, chunk=1024, generator=None, device=torch.device("cpu"), precision=None, **kw):
+    """An :class:`UpdateSetup` for tests: fp32 on the CPU unless told; ``micro`` may be MemorySizes."""
+    from visppo.ppo import MemorySizes, UpdateSetup
+    from visppo.precision import Precision
+
+    sizes = micro if isinstance(micro, MemorySizes) else MemorySizes(int(micro), int(chunk or 1024))
+    return UpdateSetup(cfg, sizes, device, precision or Precision(device),
+                       generator if generator is not None else torch.Generator(), **kw)
+
+
+def update_with(policy, optimizer, buffer, cfg, micro, chunk, generator, **kw):
+    """``ppo.update`` with the setup built from sizes and a generator (test shorthand)."""
+    from visppo.ppo import update
+
+    return update(policy, optimizer, buffer, setup_of(cfg, micro, chunk, generator, **kw))
+
+
+def infer_with(policy, obs, actions, chunk):
+    """``ppo.infer`` in fp32 on the CPU; ``chunk`` may be MemorySizes."""
+    from visppo.ppo import MemorySizes, infer
+    from visppo.precision import Precision
+
+    cpu = torch.device("cpu")
+    sizes = chunk if isinstance(chunk, MemorySizes) else MemorySizes(0, int(chunk))
+    return infer(policy, obs, actions, sizes, cpu, Precision(cpu))

@@ -84,3 +84,16 @@ def test_parse_bytes():
 
 def test_micro_batch_zero_means_whole_minibatch():
     assert Config().micro_batch == Config().ppo.minibatch_size
+
+
+def test_a_removed_key_is_refused_with_what_happened_to_it(tmp_path):
+    from visppo.config import ConfigError, build_config, load_config
+
+    with pytest.raises(ConfigError, match="rollout.overlap was removed"):
+        load_config(None, ["rollout.overlap=true"])
+    path = tmp_path / "old.yaml"
+    path.write_text("rollout:\n  overlap: true\n")
+    with pytest.raises(ConfigError, match=r"rollout.overlap was removed.*old.yaml"):
+        load_config(path)
+    # a config saved before the removal holds every key: its default value is dropped quietly
+    assert build_config({"rollout": {"overlap": False, "device": "cpu"}}).rollout.device == "cpu"

@@ -1,6 +1,6 @@
 """Distributed training: two ranks (gloo, CPU) train one policy as one process would.
 
-The update tests spawn two ranks that run the real ``ppo.update`` through DDP, each on its
+The update tests spawn two ranks that run the real ``ppo.update``, each on its
 own rollout (different data, different minibatch order), and compare with one process that
 updates over the two rollouts concatenated. The end-to-end test launches
 ``torchrun --nproc_per_node=2 -m visppo train`` and resumes it.
@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import tiny_overrides
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from conftest import tiny_overrides, update_with
 
 import visppo.ppo as ppo_module
 from visppo import distributed
@@ -30,7 +29,6 @@ from visppo.buffer import RolloutBuffer, minibatches
 from visppo.config import ConfigError, ModelConfig, PPOConfig, load_config
 from visppo.encoders import FreezeSchedule
 from visppo.policy import ActorCritic
-from visppo.ppo import Evaluate, Precision, update
 
 CPU = torch.device("cpu")
 T, N = 8, 4  # each rank's rollout: 32 samples
@@ -43,7 +41,7 @@ SCENARIOS = {
     # approx-KL of the minibatches: 7.5e-4, 1.8e-3 (1.5e-3 on rank 1 alone, then 0.7e-3, 2.9e-3):
     # the update stops after one step, on both ranks; a per-rank check would stop rank 1 first
     "target_kl": ({"target_kl": 8e-4}, {}, 0),
-    "drac": ({"drac_coef": 0.1}, {"augment": "shift"}, 0),  # evaluate_augmented through DDP
+    "drac": ({"drac_coef": 0.1}, {"augment": "shift"}, 0),  # score_actions_augmented
 }
 EQUIVALENT = ("micro", "freeze", "target_kl")  # DrAC's shifts are drawn per rank: not one process's
 STEPS_PER_UPDATE = 6  # 2 epochs x 3 minibatches
@@ -115,27 +113,35 @@ def _rank_worker(rank: int, world: int, port: int, out: str) -> None:
     ctx = distributed.Context.from_env()
     assert distributed.init(ctx, CPU, timeout=timedelta(seconds=60))
     results = {}
+    real_all_reduce = torch.distributed.all_reduce
     for name in SCENARIOS:
         policy, optimizer, freeze, cfg = _setup(name)
-        ddp = distributed.wrap(Evaluate(policy), CPU, find_unused=freeze is not None)
-        counts = {"all_reduces": 0, "last_buckets": 0, "backwards": 0}
+        counts = {"all_reduces": 0, "gradient_all_reduces": 0, "backwards": 0}
 
-        def counting_hook(state, bucket, counts=counts):
+        def counting_all_reduce(tensor, *args, counts=counts, **kwargs):
             counts["all_reduces"] += 1
-            counts["last_buckets"] += int(bucket.is_last())  # one per backward that communicates
-            return allreduce_hook(None, bucket)  # what DDP does without a hook
+            counts["gradient_all_reduces"] += int(tensor.numel() > 1000)  # the flat gradient buffer
+            return real_all_reduce(tensor, *args, **kwargs)
 
-        ddp.register_comm_hook(None, counting_hook)
-        ddp.module.register_forward_pre_hook(lambda *_, counts=counts: counts.__setitem__(
-            "backwards", counts["backwards"] + 1))  # one forward per backward pass
+        def counting(method, counts=counts):
+            def call(*args, **kwargs):
+                counts["backwards"] += 1  # one forward per backward pass
+                return method(*args, **kwargs)
+            return call
+
+        distributed.dist.all_reduce = counting_all_reduce
+        policy.score_actions = counting(policy.score_actions)
+        policy.score_actions_augmented = counting(policy.score_actions_augmented)
         generator = torch.Generator().manual_seed(_minibatch_seed(rank))
-        first = update(policy, optimizer, _fill(policy, rank, 0), cfg, MICRO, 1024, CPU, Precision(CPU),
-                       generator, before_step=freeze, ddp=ddp)
+        if rank and policy.augment is not None:  # as train() does: each rank its own shifts
+            policy.augment.generator.manual_seed(distributed.rank_seed(0, rank))
+        first = update_with(policy, optimizer, _fill(policy, rank, 0), cfg, MICRO, 1024,
+                            generator, before_step=freeze, across_ranks=True)
         after_first = {k: v.clone() for k, v in policy.state_dict().items()}
         first_counts = dict(counts)
         for k in (1, 2):  # more updates on fresh rollouts
-            update(policy, optimizer, _fill(policy, rank, k), cfg, MICRO, 1024, CPU, Precision(CPU),
-                   generator, before_step=freeze, ddp=ddp)
+            update_with(policy, optimizer, _fill(policy, rank, k), cfg, MICRO, 1024,
+                        generator, before_step=freeze, across_ranks=True)
         everyone = distributed.all_gather([p.detach().clone() for p in policy.parameters()])
         results[name] = {
             "params_after_first": after_first, "optimizer_steps": first.optimizer_steps,
@@ -171,7 +177,7 @@ def _one_process_update(name: str, monkeypatch) -> tuple[ActorCritic, object]:
 
     monkeypatch.setattr(ppo_module, "minibatches", union_of_ranks)
     cfg.minibatch_size = 2 * MINIBATCH
-    result = update(policy, optimizer, _concat(bufs), cfg, cfg.minibatch_size, 1024, CPU, Precision(CPU),
+    result = update_with(policy, optimizer, _concat(bufs), cfg, cfg.minibatch_size, 1024,
                     torch.Generator(), before_step=freeze)
     return policy, result
 
@@ -202,15 +208,17 @@ def test_parameters_are_identical_on_both_ranks_after_several_updates(two_ranks,
 
 
 @pytest.mark.timeout(300)
-def test_one_all_reduce_per_optimizer_step(two_ranks):
-    """Micro-batches before a minibatch's last run under no_sync: the gradients of the 16 backward
-    passes of an update are all-reduced 6 times, once per optimizer step (the model is one bucket)."""
+def test_two_all_reduces_per_optimizer_step(two_ranks):
+    """Micro-batches accumulate locally: the gradients of the 16 backward passes of an update are
+    all-reduced 6 times, once per optimizer step, together with the minibatch statistics and the
+    out-of-memory flag; the advantage mean and std are the only other all-reduce."""
     for name in ("micro", "freeze", "drac"):
         counts = two_ranks[name]["counts"]
         assert counts["backwards"] == BACKWARDS_PER_UPDATE, name
-        assert counts["last_buckets"] == counts["all_reduces"] == STEPS_PER_UPDATE, (name, counts)
+        assert counts["gradient_all_reduces"] == STEPS_PER_UPDATE, (name, counts)
+        assert counts["all_reduces"] == 2 * STEPS_PER_UPDATE, (name, counts)
     stopped = two_ranks["target_kl"]  # the minibatch that stops the update was reduced, not stepped
-    assert stopped["counts"]["all_reduces"] == stopped["optimizer_steps"] + 1
+    assert stopped["counts"]["gradient_all_reduces"] == stopped["optimizer_steps"] + 1
 
 
 # --------------------------------------------------------------------------- torchrun, end to end
@@ -218,7 +226,7 @@ def test_one_all_reduce_per_optimizer_step(two_ranks):
 # episodes of 16 steps, rollouts of 32: every iteration starts on fresh episodes (exact resume)
 EXACT = {"env.max_episode_steps": 16, "ppo.total_steps": 384, "run.checkpoint_every": 1,
          "train.deterministic": "true", "ppo.minibatch_size": 24, "memory.micro_batch_size": 10,
-         "run.tensorboard": "true"}
+         "run.tensorboard": "true", "model.augment": "shift", "ppo.drac_coef": 0.1}
 
 
 def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
@@ -243,6 +251,8 @@ def test_torchrun_two_processes_rank_0_writes_and_the_run_resumes_exactly(tmp_pa
     ckpt = torch.load(full / "checkpoints" / "latest.pt", weights_only=True)
     assert ckpt["world_size"] == 2 and len(ckpt["ranks"]) == 2
     assert not torch.equal(ckpt["ranks"][0]["rng"]["torch"], ckpt["ranks"][1]["rng"]["torch"])
+    # each rank draws its own augmentation shifts (seeded by rank)
+    assert not torch.equal(ckpt["ranks"][0]["augment_generator"], ckpt["ranks"][1]["augment_generator"])
 
     cut = tmp_path / "cut"  # the same run as if it had stopped after iteration 2
     shutil.copytree(full, cut)
@@ -265,15 +275,16 @@ def test_torchrun_two_processes_rank_0_writes_and_the_run_resumes_exactly(tmp_pa
 # --------------------------------------------------------------------------- one process, devices
 
 
-def test_one_process_makes_no_process_group_and_no_ddp(tmp_path, monkeypatch):
+def test_one_process_makes_no_process_group_and_no_collectives(tmp_path, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
 
     def refuse(*args, **kwargs):
-        raise AssertionError("one process needs no process group and no DDP")
+        raise AssertionError("one process needs no process group and no collectives")
 
     monkeypatch.setattr(torch.distributed, "init_process_group", refuse)
-    monkeypatch.setattr(distributed, "DistributedDataParallel", refuse)
+    monkeypatch.setattr(distributed, "reduce_minibatch", refuse)
+    monkeypatch.setattr(distributed, "mean_std", refuse)
     from visppo.train import train
 
     train(load_config(None, tiny_overrides(tmp_path)))

@@ -1,11 +1,14 @@
+import warnings
+
 import gymnasium as gym
 import numpy as np
 import pytest
+from conftest import tiny_overrides
 from gymnasium.utils.env_checker import check_env
 
 from visppo import envs as envs_module
 from visppo.config import ConfigError, load_config
-from visppo.envs import PixelDict, make_env, make_vector_env, use_async
+from visppo.envs import PixelDict, check_env_id, make_env, make_vector_env, use_async
 from visppo_envs.dot import DotReachEnv
 
 DOT = "env.id=visppo/DotReach-v0"
@@ -14,7 +17,11 @@ DOT = "env.id=visppo/DotReach-v0"
 @pytest.mark.parametrize("obs_mode", ["pixels", "pixels_state"])
 @pytest.mark.parametrize("discrete", [False, True])
 def test_dot_reach_passes_gymnasium_check_env(obs_mode, discrete):
-    check_env(DotReachEnv(obs_mode=obs_mode, discrete=discrete), skip_render_check=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the checker reports many problems as warnings only
+        env = gym.make("visppo/DotReach-v0", obs_mode=obs_mode, discrete=discrete).unwrapped  # with its spec
+        assert isinstance(env, DotReachEnv)
+        check_env(env, skip_render_check=False)
 
 
 def test_dot_reach_rewards_moving_onto_the_target():
@@ -130,7 +137,6 @@ def test_render_samples_is_refused_for_an_env_that_is_not_mujoco():
 @pytest.mark.parametrize("cpus, overrides, expected", [
     (2, [], False),                                   # 2 CPUs: the learner's process steps the envs
     (4, [], True),                                    # more: worker processes render in parallel
-    (2, ["rollout.overlap=true"], True),              # overlap needs workers
     (4, ["env.id=visppo/DotReach-v0"], False),        # synthetic: never worth a process
     (4, ["ppo.num_envs=1", "ppo.minibatch_size=64"], False),
     (2, ["env.vector=async"], True),                  # an explicit choice is kept
@@ -155,3 +161,88 @@ def test_reach_frames_are_the_same_in_the_learners_process_and_in_workers():
             envs.close()
         runs.append(np.stack(frames))
     assert runs[0].std() > 0 and np.array_equal(runs[0], runs[1])
+
+
+CUSTOM_ENV = '''
+import gymnasium as gym
+import numpy as np
+
+
+class Blink(gym.Env):
+    """A user's own env: a 32x32 image that lights up where the action points."""
+
+    def __init__(self, brightness=255):
+        self.brightness = brightness
+        self.observation_space = gym.spaces.Box(0, 255, (32, 32, 3), np.uint8)
+        self.action_space = gym.spaces.Box(-1, 1, (2,), np.float32)
+
+    def _obs(self, action):
+        img = np.zeros((32, 32, 3), np.uint8)
+        i, j = ((np.asarray(action) + 1) * 15.5).astype(int)
+        img[i, j] = self.brightness
+        return img
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self._obs(np.zeros(2)), {}
+
+    def step(self, action):
+        return self._obs(action), float(-np.abs(action).sum()), False, False, {}
+
+
+gym.register("{name}/Blink-v0", entry_point="{name}:Blink", max_episode_steps=16)
+'''
+
+
+def _custom_module(tmp_path, name: str) -> str:
+    (tmp_path / f"{name}.py").write_text(CUSTOM_ENV.replace("{name}", name))
+    return name
+
+
+def test_a_custom_env_module_trains_from_the_command_line(tmp_path):
+    """`env.id=module:EnvId`: gymnasium imports the module (found on PYTHONPATH), which registers the id;
+    `env.kwargs` reaches the env's constructor."""
+    import os
+    import subprocess
+    import sys
+
+    name = _custom_module(tmp_path, "my_blink_robot")
+    overrides = tiny_overrides(tmp_path, **{"env.id": f"{name}:{name}/Blink-v0", "env.pixels": "false",
+                                            "env.kwargs.brightness": 200, "env.image_size": 36})
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    proc = subprocess.run([sys.executable, "-m", "visppo", "train", *overrides], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2  # header + 128 steps / (2 envs x 32)
+    bad = tiny_overrides(tmp_path, **{"env.id": "no_such_robot_pkg:Arm-v0", "run.dir": str(tmp_path / "bad")})
+    proc = subprocess.run([sys.executable, "-m", "visppo", "train", *bad], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: env.id no_such_robot_pkg:Arm-v0: cannot import module 'no_such_robot_pkg'")
+    assert "PYTHONPATH" in proc.stderr and not (tmp_path / "bad").exists()
+
+
+def test_a_custom_env_gets_its_kwargs_and_bad_ones_are_named(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = _custom_module(tmp_path, "my_blink_kwargs")
+    base = [f"env.id={name}:{name}/Blink-v0", "env.pixels=false", "env.image_size=36"]
+    env = make_env(load_config(None, [*base, "env.kwargs.brightness=77"]))
+    assert env.unwrapped.brightness == 77
+    obs, _ = env.reset(seed=0)
+    assert obs["pixels"].shape == (3, 36, 36) and 0 < obs["pixels"].max() <= 77
+    with pytest.raises(ConfigError, match=r"refused its arguments .*colour.*: check env.kwargs"):
+        make_env(load_config(None, [*base, "env.kwargs.colour=1"]))
+
+
+def test_a_custom_module_that_does_not_register_the_id_is_named(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = _custom_module(tmp_path, "my_blink_ids")
+    with pytest.raises(ConfigError, match=rf"module '{name}' imported but did not register 'Blinky-v0' "
+                                          rf"\(it registers {name}/Blink-v0\)"):
+        check_env_id(f"{name}:Blinky-v0")
+    (tmp_path / "my_broken_env.py").write_text("raise RuntimeError('needs a robot arm attached')\n")
+    with pytest.raises(ConfigError, match=r"cannot import module 'my_broken_env' \(RuntimeError: needs a robot"):
+        check_env_id("my_broken_env:Arm-v0")
+    with pytest.raises(ConfigError, match="must look like module:EnvId"):
+        check_env_id(":Arm-v0")

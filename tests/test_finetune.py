@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import tiny_overrides
+from conftest import infer_with, setup_of, tiny_overrides, update_with
 
 from visppo.buffer import RolloutBuffer
+from visppo.builders import build_optimizer, build_policy
 from visppo.config import ConfigError, ModelConfig, PPOConfig, load_config
 from visppo.encoders import FreezeSchedule
 from visppo.policy import ActorCritic
-from visppo.ppo import Precision, minibatch_gradient, score, update
-from visppo.train import build_optimizer, build_policy, train
+from visppo.ppo import minibatch_gradient
+from visppo.train import train
 
 CPU = torch.device("cpu")
 BOX = gym.spaces.Box(-1, 1, (2,), np.float32)
@@ -163,7 +164,7 @@ def test_frozen_encoder_does_not_move_then_trains():
     freeze = FreezeSchedule(policy.encoders(), 2, opt)
     trunk, heads = _snapshot(policy.trunk_parameters()), _snapshot(_head_params(policy))
     cfg = PPOConfig(num_epochs=1, minibatch_size=4)  # 8 samples: 2 optimizer steps per update
-    res = update(policy, opt, buf, cfg, 4, 8, CPU, Precision(CPU), torch.Generator().manual_seed(0),
+    res = update_with(policy, opt, buf, cfg, 4, 8, torch.Generator().manual_seed(0),
                  before_step=freeze)
     assert res.optimizer_steps == 2
     assert _same(trunk, policy.trunk_parameters())
@@ -173,7 +174,7 @@ def test_frozen_encoder_does_not_move_then_trains():
     # a resumed run reads the steps taken from the optimizer
     assert FreezeSchedule(policy.encoders(), 3, opt).frozen
     assert not FreezeSchedule(policy.encoders(), 2, opt).frozen
-    update(policy, opt, buf, cfg, 4, 8, CPU, Precision(CPU), torch.Generator().manual_seed(1),
+    update_with(policy, opt, buf, cfg, 4, 8, torch.Generator().manual_seed(1),
            before_step=freeze)
     assert all(not torch.equal(a, b) for a, b in zip(trunk, policy.trunk_parameters(), strict=True))
     assert int(opt.state[policy.trunk_parameters()[0]]["step"]) == 2  # fresh Adam state at thaw
@@ -219,7 +220,7 @@ def test_batchnorm_statistics_do_not_move_during_training():
     stats = _snapshot([t for m in bns for t in (m.running_mean, m.running_var, m.num_batches_tracked)])
     conv = policy.encoder.pixels.net.layer1[0].conv1.weight.detach().clone()
     opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
-    update(policy, opt, buf, PPOConfig(num_epochs=1, minibatch_size=4), 2, 4, CPU, Precision(CPU),
+    update_with(policy, opt, buf, PPOConfig(num_epochs=1, minibatch_size=4), 2, 4,
            torch.Generator().manual_seed(0))
     assert _same(stats, [t for m in bns for t in (m.running_mean, m.running_var, m.num_batches_tracked)])
     assert not torch.equal(conv, policy.encoder.pixels.net.layer1[0].conv1.weight)
@@ -231,7 +232,7 @@ def _grads(policy, buf, mb, micro, cfg, seed=None):
     policy.zero_grad(set_to_none=True)
     adv = buf.flat(buf.advantages)[mb]
     adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-    stats = minibatch_gradient(policy, buf, mb, adv, cfg, micro, CPU, Precision(CPU))
+    stats = minibatch_gradient(policy, buf, mb, adv, setup_of(cfg, micro))
     return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, stats
 
 
@@ -241,7 +242,7 @@ def _assert_same_grads(a, b, rtol=1e-5, atol=1e-6):
         torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=name)
 
 
-def test_checkpointing_gives_the_same_gradients_in_the_update():
+def test_checkpointing_gives_the_same_gradients_in_theupdate_with():
     mb = torch.arange(4)
     grads = []
     for checkpointing in (False, True):
@@ -284,8 +285,8 @@ def test_augmentation_is_applied_in_the_update_and_never_when_acting(monkeypatch
     assert torch.equal(a1, a2) and torch.equal(v1, v2)
     torch.testing.assert_close(a1, a3)
     torch.testing.assert_close(v1, v3)
-    values, logp = score(policy, obs, buf.flat(buf.actions), 3, CPU)
-    ref_values, ref_logp = score(plain, obs, buf.flat(buf.actions), 3, CPU)
+    values, logp = infer_with(policy, obs, buf.flat(buf.actions), 3)
+    ref_values, ref_logp = infer_with(plain, obs, buf.flat(buf.actions), 3)
     torch.testing.assert_close(values, ref_values)
     torch.testing.assert_close(logp, ref_logp)
     assert calls == [] and torch.equal(policy.augment.generator.get_state(), rng)
@@ -306,16 +307,16 @@ def test_one_pass_over_original_and_augmented_frames_equals_two():
     aug = {**obs, "pixels": obs["pixels"].flip(-1)}
     actions = buf.flat(buf.actions)
     with torch.no_grad():
-        logp, entropy, value, dist, aug_dist, aug_value = policy.evaluate_augmented(obs, aug, actions)
-        ref_logp, ref_entropy, ref_value = policy.evaluate(obs, actions)
-        aug_logp, _, ref_aug_value = policy.evaluate(aug, actions)
+        logp, entropy, value, dist, aug_dist, aug_value = policy.score_actions_augmented(obs, aug, actions)
+        ref_logp, ref_entropy, ref_value = policy.score_actions(obs, actions)
+        aug_logp, _, ref_aug_value = policy.score_actions(aug, actions)
     for got, ref in [(logp, ref_logp), (entropy, ref_entropy), (value, ref_value),
                      (aug_value, ref_aug_value), (aug_dist.log_prob(actions).sum(-1), aug_logp)]:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 class _OOMAbove:
-    """Wraps a policy: evaluate() raises an out-of-memory error for batches above ``limit``."""
+    """Wraps a policy: score_actions() raises an out-of-memory error for batches above ``limit``."""
 
     def __init__(self, policy, limit):
         self.policy, self.limit = policy, limit
@@ -323,10 +324,10 @@ class _OOMAbove:
     def __getattr__(self, name):
         return getattr(self.policy, name)
 
-    def evaluate_augmented(self, obs, aug_obs, actions):
+    def score_actions_augmented(self, obs, aug_obs, actions):
         if len(actions) > self.limit:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return self.policy.evaluate_augmented(obs, aug_obs, actions)
+        return self.policy.score_actions_augmented(obs, aug_obs, actions)
 
 
 def test_an_oom_retry_draws_the_same_augmentation():
@@ -337,10 +338,9 @@ def test_an_oom_retry_draws_the_same_augmentation():
     cfg = PPOConfig(num_epochs=1, minibatch_size=8, drac_coef=0.5)
     sizes = MemorySizes(micro=8, chunk=8)
     with pytest.warns(RuntimeWarning, match="out of memory"):
-        update(_OOMAbove(policy, 4), torch.optim.Adam(policy.parameters(), lr=1e-3), buf, cfg, sizes, None,
-               CPU, Precision(CPU), torch.Generator().manual_seed(0))
+        update_with(_OOMAbove(policy, 4), torch.optim.Adam(policy.parameters(), lr=1e-3), buf, cfg, sizes, None, torch.Generator().manual_seed(0))
     assert sizes.micro == 4
-    update(ref, torch.optim.Adam(ref.parameters(), lr=1e-3), buf, cfg, 8, 8, CPU, Precision(CPU),
+    update_with(ref, torch.optim.Adam(ref.parameters(), lr=1e-3), buf, cfg, 8, 8,
            torch.Generator().manual_seed(0))
     assert torch.equal(policy.augment.generator.get_state(), ref.augment.generator.get_state())
     for a, b in zip(policy.parameters(), ref.parameters(), strict=True):

@@ -20,7 +20,7 @@ def test_gaussian_logp_is_of_the_unclipped_sample():
     obs = _obs(64)
     action, logp, value = pol.act(obs)
     assert (action.abs() > 1).any(), "with std e^1 some samples leave the bounds"
-    lp, ent, v = pol.evaluate(obs, action)
+    lp, ent, v = pol.score_actions(obs, action)
     torch.testing.assert_close(lp, logp)
     torch.testing.assert_close(v, value)
     mean = pol.actor(pol.encoder(obs))

@@ -2,11 +2,13 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from conftest import infer_with, setup_of, update_with
 
 from visppo.buffer import RolloutBuffer
 from visppo.config import ModelConfig, PPOConfig
 from visppo.policy import ActorCritic
-from visppo.ppo import Precision, minibatch_gradient, ppo_loss, resolve_precision, score, update
+from visppo.ppo import minibatch_gradient, ppo_loss
+from visppo.precision import resolve_precision
 
 CPU = torch.device("cpu")
 
@@ -45,11 +47,11 @@ def test_chunked_score_equals_unchunked(chunk):
     flat = {k: buf.flat(v) for k, v in buf.obs.items()}
     actions = buf.flat(buf.actions)
     with torch.no_grad():
-        ref_logp, _, ref_v = policy.evaluate(flat, actions)
-    v, lp = score(policy, flat, actions, chunk, CPU)
+        ref_logp, _, ref_v = policy.score_actions(flat, actions)
+    v, lp = infer_with(policy, flat, actions, chunk)
     torch.testing.assert_close(v, ref_v, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lp, ref_logp, rtol=1e-5, atol=1e-6)
-    v_only, none = score(policy, flat, None, chunk, CPU)
+    v_only, none = infer_with(policy, flat, None, chunk)
     assert none is None
     torch.testing.assert_close(v_only, ref_v, rtol=1e-5, atol=1e-6)
 
@@ -58,7 +60,7 @@ def _grads(policy, buf, mb, micro, cfg):
     policy.zero_grad(set_to_none=True)
     adv = buf.flat(buf.advantages)[mb]
     adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-    stats = minibatch_gradient(policy, buf, mb, adv, cfg, micro, CPU, Precision(CPU))
+    stats = minibatch_gradient(policy, buf, mb, adv, setup_of(cfg, micro))
     return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, stats
 
 
@@ -100,8 +102,7 @@ def test_update_early_stops_on_target_kl_without_stepping():
     buf.logp.add_(3.0)  # a very stale policy: huge KL on the first minibatch
     before = [p.detach().clone() for p in policy.parameters()]
     opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
-    res = update(policy, opt, buf, PPOConfig(num_epochs=2, minibatch_size=8, target_kl=0.01), 8, 8,
-                 CPU, Precision(CPU), torch.Generator().manual_seed(0))
+    res = update_with(policy, opt, buf, PPOConfig(num_epochs=2, minibatch_size=8, target_kl=0.01), 8, 8, torch.Generator().manual_seed(0))
     assert res.early_stopped and res.optimizer_steps == 0
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
@@ -110,13 +111,12 @@ def test_update_steps_once_per_minibatch_and_changes_parameters():
     policy, buf = _setup()
     opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
     before = [p.detach().clone() for p in policy.parameters()]
-    res = update(policy, opt, buf, PPOConfig(num_epochs=2, minibatch_size=10), 3, 7,
-                 CPU, Precision(CPU), torch.Generator().manual_seed(0))
+    res = update_with(policy, opt, buf, PPOConfig(num_epochs=2, minibatch_size=10), 3, 7, torch.Generator().manual_seed(0))
     assert res.optimizer_steps == 2 * 3  # 24 samples in minibatches of 10, 10, 4; two epochs
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
 
-def test_a_channels_last_buffer_gives_the_same_update():
+def test_a_channels_last_buffer_gives_the_sameupdate_with():
     """Only where the frames sit in memory changes: a channels_last model sees the same input."""
     policy, buf = _setup()
     policy = policy.to(memory_format=torch.channels_last)
@@ -130,8 +130,7 @@ def test_a_channels_last_buffer_gives_the_same_update():
     for b in (buf, cl):
         policy.load_state_dict(start)
         opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
-        update(policy, opt, b, PPOConfig(num_epochs=2, minibatch_size=10), 5, 7,
-               CPU, Precision(CPU), torch.Generator().manual_seed(0))
+        update_with(policy, opt, b, PPOConfig(num_epochs=2, minibatch_size=10), 5, 7, torch.Generator().manual_seed(0))
         params.append([p.detach().clone() for p in policy.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*params))
 
@@ -141,18 +140,9 @@ def test_update_skips_non_finite_steps():
     buf.returns[0, 0] = float("nan")
     opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
     before = [p.detach().clone() for p in policy.parameters()]
-    res = update(policy, opt, buf, PPOConfig(num_epochs=1, minibatch_size=24), 24, 24,
-                 CPU, Precision(CPU), torch.Generator().manual_seed(0))
+    res = update_with(policy, opt, buf, PPOConfig(num_epochs=1, minibatch_size=24), 24, 24, torch.Generator().manual_seed(0))
     assert res.skipped_steps == 1 and res.optimizer_steps == 0
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
-
-
-def test_resolve_precision():
-    assert resolve_precision("off", CPU).dtype is None
-    assert resolve_precision("bf16", CPU).dtype == torch.bfloat16
-    assert resolve_precision("auto", CPU).dtype in (None, torch.bfloat16)
-    with pytest.raises(ValueError, match="CUDA"):
-        resolve_precision("fp16", CPU)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -162,7 +152,7 @@ def test_fp16_on_cuda_uses_a_grad_scaler():
 
 
 class _OOMAbove:
-    """Wraps a policy: evaluate() raises an out-of-memory error for batches above ``limit``."""
+    """Wraps a policy: score_actions() raises an out-of-memory error for batches above ``limit``."""
 
     def __init__(self, policy, limit):
         self.policy, self.limit, self.calls = policy, limit, []
@@ -170,14 +160,14 @@ class _OOMAbove:
     def __getattr__(self, name):
         return getattr(self.policy, name)
 
-    def evaluate(self, obs, actions):
+    def score_actions(self, obs, actions):
         self.calls.append(len(actions))
         if len(actions) > self.limit:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return self.policy.evaluate(obs, actions)
+        return self.policy.score_actions(obs, actions)
 
 
-def test_oom_in_the_update_halves_the_micro_batch_and_gives_the_same_update():
+def test_oom_in_the_update_halves_the_micro_batch_and_gives_the_sameupdate_with():
     from visppo.ppo import MemorySizes
 
     policy, buf = _setup()
@@ -189,10 +179,10 @@ def test_oom_in_the_update_halves_the_micro_batch_and_gives_the_same_update():
     ref_opt = torch.optim.SGD(ref_policy.parameters(), lr=1e-2)
     sizes = MemorySizes(micro=24, chunk=24)
     with pytest.warns(RuntimeWarning, match="out of memory"):
-        update(_OOMAbove(policy, 8), opt, buf, cfg, sizes, None, CPU, Precision(CPU),
+        update_with(_OOMAbove(policy, 8), opt, buf, cfg, sizes, None,
                torch.Generator().manual_seed(0))
     assert sizes.micro == 6  # 24 -> 12 -> 6, kept for the rest of the run
-    update(ref_policy, ref_opt, buf, cfg, 24, 24, CPU, Precision(CPU), torch.Generator().manual_seed(0))
+    update_with(ref_policy, ref_opt, buf, cfg, 24, 24, torch.Generator().manual_seed(0))
     moved = False
     for a, b, start in zip(policy.parameters(), ref_policy.parameters(), _setup()[0].parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)  # micro-batch sums: rounding only
@@ -206,10 +196,10 @@ def test_oom_in_a_no_grad_pass_halves_the_chunk_and_loses_nothing():
     policy, buf = _setup()
     flat = {k: buf.flat(v) for k, v in buf.obs.items()}
     actions = buf.flat(buf.actions)
-    ref_v, ref_lp = score(policy, flat, actions, 24, CPU)
+    ref_v, ref_lp = infer_with(policy, flat, actions, 24)
     sizes = MemorySizes(micro=8, chunk=24)
     with pytest.warns(RuntimeWarning):
-        v, lp = score(_OOMAbove(policy, 5), flat, actions, sizes, CPU)
+        v, lp = infer_with(_OOMAbove(policy, 5), flat, actions, sizes)
     assert sizes.chunk == 3
     torch.testing.assert_close(v, ref_v, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-6)
@@ -221,9 +211,63 @@ def test_other_errors_are_not_swallowed_as_oom():
     policy, buf = _setup()
 
     class Broken(_OOMAbove):
-        def evaluate(self, obs, actions):
+        def score_actions(self, obs, actions):
             raise RuntimeError("shape mismatch")
 
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        update(Broken(policy, 0), torch.optim.Adam(policy.parameters()), buf, PPOConfig(num_epochs=1),
-               MemorySizes(8, 8), None, CPU, Precision(CPU), torch.Generator().manual_seed(0))
+        update_with(Broken(policy, 0), torch.optim.Adam(policy.parameters()), buf, PPOConfig(num_epochs=1),
+               MemorySizes(8, 8), None, torch.Generator().manual_seed(0))
+
+
+def test_recompute_advantages_refreshes_the_bootstrap_values_of_truncations():
+    """After the critic moved, the values of the truncated episodes' final frames are recomputed
+    too, not taken from the acting pass."""
+    from visppo.buffer import compute_gae
+    from visppo.ppo import recompute_advantages
+
+    policy, buf = _setup()
+    g = torch.Generator().manual_seed(5)
+    final = {k: v[:2].clone() for k, v in buf.flat_obs().items()}
+    final["pixels"] = torch.randint(0, 256, final["pixels"].shape, generator=g, dtype=torch.uint8)
+    buf.truncated[1, 0] = buf.truncated[4, 3] = True
+    buf.truncations = [(torch.tensor([1 * buf.N + 0]), {k: v[:1] for k, v in final.items()}),
+                       (torch.tensor([4 * buf.N + 3]), {k: v[1:] for k, v in final.items()})]
+    buf.final_values.fill_(123.0)  # stale: what the acting pass would have left
+    buf.last_obs = {k: v[-buf.N:].clone() for k, v in buf.flat_obs().items()}
+    buf.rewards.normal_(generator=g)
+    cfg = PPOConfig(gamma=0.9, gae_lambda=0.8)
+    recompute_advantages(policy, buf, setup_of(cfg, 8, 5))
+    with torch.no_grad():
+        expected_final = policy.value(final)
+        values = policy.value(buf.flat_obs()).view(buf.T, buf.N)
+        last = policy.value(buf.last_obs)
+    torch.testing.assert_close(buf.final_values[1, 0], expected_final[0])
+    torch.testing.assert_close(buf.final_values[4, 3], expected_final[1])
+    adv, ret = compute_gae(buf.rewards, values, last, buf.terminated, buf.truncated, buf.final_values,
+                           0.9, 0.8)
+    torch.testing.assert_close(buf.advantages, adv)
+    torch.testing.assert_close(buf.returns, ret)
+
+
+def test_an_oom_on_another_rank_backs_off_every_rank_together(monkeypatch):
+    """Under torchrun, a rank that did not run out of memory still halves its micro-batch and redoes
+    the minibatch when the one all-reduce says another rank did."""
+    import visppo.distributed as distributed
+    from visppo.ppo import MemorySizes
+
+    policy, buf = _setup()
+    calls = []
+
+    def reduce_minibatch(params, stats, failed):
+        calls.append(failed)
+        anyone_failed = len(calls) == 1  # the first minibatch failed on a peer
+        return {k: float(v) for k, v in stats.items()}, anyone_failed
+
+    monkeypatch.setattr(distributed, "reduce_minibatch", reduce_minibatch)
+    monkeypatch.setattr(distributed, "mean_std", lambda x: (float(x.mean()), float(x.std()), len(x)))
+    sizes = MemorySizes(micro=24, chunk=24)
+    opt = torch.optim.SGD(policy.parameters(), lr=1e-2)
+    with pytest.warns(RuntimeWarning, match="out of memory at memory.micro_batch_size=24"):
+        res = update_with(policy, opt, buf, PPOConfig(num_epochs=1, minibatch_size=24), sizes, None,
+                          torch.Generator().manual_seed(0), across_ranks=True)
+    assert sizes.micro == 12 and calls == [False, False] and res.optimizer_steps == 1

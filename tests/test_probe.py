@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import infer_with, tiny_overrides, update_with
 
 from visppo.buffer import RolloutBuffer
 from visppo.cli import main
@@ -98,14 +98,13 @@ def _update_peak(minibatch: int, micro: int, rollout: int = 256) -> int:
     from test_ppo import _setup
 
     from visppo.memory import peak_bytes
-    from visppo.ppo import Precision, update
 
     policy, buf = _setup(T=rollout // 4, N=4)
     opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
     cfg = PPOConfig(num_epochs=1, minibatch_size=minibatch)
     cpu = torch.device("cpu")
-    update(policy, opt, buf, cfg, micro, 16, cpu, Precision(cpu), torch.Generator().manual_seed(0))  # Adam state
-    return peak_bytes(lambda: update(policy, opt, buf, cfg, micro, 16, cpu, Precision(cpu),
+    update_with(policy, opt, buf, cfg, micro, 16, torch.Generator().manual_seed(0))  # Adam state
+    return peak_bytes(lambda: update_with(policy, opt, buf, cfg, micro, 16,
                                      torch.Generator().manual_seed(1)), cpu)
 
 
@@ -119,7 +118,6 @@ def test_chunked_no_grad_pass_peak_does_not_grow_with_the_rollout():
     from test_ppo import _setup
 
     from visppo.memory import peak_bytes
-    from visppo.ppo import score
 
     cpu = torch.device("cpu")
     peaks = []
@@ -127,7 +125,7 @@ def test_chunked_no_grad_pass_peak_does_not_grow_with_the_rollout():
         policy, buf = _setup(T=rollout // 4, N=4)
         flat = {k: buf.flat(v) for k, v in buf.obs.items()}
         actions = buf.flat(buf.actions)
-        peaks.append(peak_bytes(lambda: score(policy, flat, actions, 16, cpu), cpu))
+        peaks.append(peak_bytes(lambda: infer_with(policy, flat, actions, 16), cpu))
     # the outputs (one float per sample) are the only part that grows: 2 x 4 bytes x 192 samples
     assert peaks[1] - peaks[0] <= 2 * 4 * 192 + 4096, peaks
 
@@ -142,7 +140,7 @@ def _adam_state_bytes(opt: torch.optim.Optimizer) -> int:
 
 def test_static_lines_equal_the_bytes_of_a_real_model_its_gradients_and_adam_state():
     """parameters, gradients and optimizer_state are exactly what training allocates for them."""
-    from visppo.train import build_optimizer, build_policy
+    from visppo.builders import build_optimizer, build_policy
 
     cfg = load_config(None, tiny_overrides())
     prober = Prober(cfg, torch.device("cpu"), "fake")
@@ -164,11 +162,12 @@ def test_gradients_are_counted_once_in_a_single_pass_and_in_an_accumulating_one(
     whole = prober._pass("micro_batch", 32)["activations"]  # one pass: grads born inside it
 
     from visppo.memory import LiveBytes
-    from visppo.probe import _backward_pass, _precision
+    from visppo.precision import Precision
+    from visppo.probe import _backward_pass
 
     buf = RolloutBuffer(32, 1, prober.obs_space, prober.action_space, channels_last=cfg.train.channels_last)
     prober.policy.zero_grad(set_to_none=True)
-    index, adv, precision = torch.arange(32), torch.zeros(32), _precision(torch.device("cpu"), None)
+    index, adv, precision = torch.arange(32), torch.zeros(32), Precision(torch.device("cpu"), None)
     with LiveBytes() as meter:
         _backward_pass(prober.policy, buf, index, adv, cfg, torch.device("cpu"), precision)
     grads = sum(p.grad.numel() * p.grad.element_size() for p in prober.trainable)

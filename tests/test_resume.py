@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
-import visppo.train as train_module
-from visppo.checkpoint import load
+import visppo.checkpoint as ckpt_module
+from visppo.checkpoint import load, load_for_resume
 from visppo.config import load_config
-from visppo.train import load_for_resume, train
+from visppo.train import train
 
 # episodes of 16 steps, rollouts of 32: every iteration starts on fresh episodes
 EXACT = {"env.max_episode_steps": 16, "ppo.total_steps": 256, "run.checkpoint_every": 1,
@@ -29,15 +29,15 @@ class Interrupted(Exception):
 def test_a_resumed_run_ends_with_the_same_parameters_as_an_uninterrupted_one(tmp_path, monkeypatch):
     full = train(load_config(None, tiny_overrides(tmp_path / "full", **EXACT)))
 
-    real_save = train_module.save_checkpoint
+    real_save = ckpt_module.save_checkpoint
 
     def crash_after_second(*args):
         path = real_save(*args)
-        if args[7] == 2:  # the iteration
+        if args[5] == 2:  # the iteration
             raise Interrupted
         return path
 
-    monkeypatch.setattr(train_module, "save_checkpoint", crash_after_second)
+    monkeypatch.setattr(ckpt_module, "save_checkpoint", crash_after_second)
     with pytest.raises(Interrupted):
         train(load_config(None, tiny_overrides(tmp_path / "cut", **EXACT)))
     monkeypatch.undo()

@@ -165,26 +165,17 @@ class ObsPolicy:
         return obs["pixels"].float().mean(dim=(1, 2, 3)) / 255.0 * 3
 
 
-def _collect_dot(overlap: bool, calls: list | None = None):
+def _collect_dot(vector: str):
     from visppo.config import load_config
-    from visppo.envs import AlternatingHalves, make_vector_env
+    from visppo.envs import make_vector_env
 
-    cfg = load_config(None, ["env.id=visppo/DotReach-v0", "ppo.num_envs=5", "env.vector=async",
-                             "env.max_episode_steps=4", f"rollout.overlap={str(overlap).lower()}"])
+    cfg = load_config(None, ["env.id=visppo/DotReach-v0", "ppo.num_envs=5", f"env.vector={vector}",
+                             "env.max_episode_steps=4"])
     envs = make_vector_env(cfg)
     try:
-        assert isinstance(envs, AlternatingHalves) == overlap
-        if calls is not None:  # log when each half is sent and waited for
-            for name, half in zip("AB", envs.halves):
-                for method in ("step_async", "step_wait"):
-                    def logged(*args, _f=getattr(half, method), _tag=f"{method} {name}"):
-                        calls.append(_tag)
-                        return _f(*args)
-                    setattr(half, method, logged)
         buf = RolloutBuffer(9, 5, envs.single_observation_space, envs.single_action_space)
         state = RolloutState.start(envs, seed=3)
-        episodes = collect(envs, ObsPolicy(envs.single_action_space.shape[0], calls), buf, state,
-                           torch.device("cpu"))
+        episodes = collect(envs, ObsPolicy(envs.single_action_space.shape[0]), buf, state, torch.device("cpu"))
         counts = envs.get_attr("episode")
         envs.set_attr("episode", [7, 8, 9, 10, 11])  # as a resume restores them
         assert tuple(envs.get_attr("episode")) == (7, 8, 9, 10, 11)
@@ -193,25 +184,28 @@ def _collect_dot(overlap: bool, calls: list | None = None):
         envs.close()
 
 
-def test_overlapped_halves_fill_the_same_rollout_as_one_vector_env():
-    plain, plain_eps, plain_state, plain_counts = _collect_dot(overlap=False)
-    halves, halves_eps, halves_state, halves_counts = _collect_dot(overlap=True)
+def test_envs_in_workers_fill_the_same_rollout_as_envs_in_this_process():
+    plain, plain_eps, plain_state, plain_counts = _collect_dot("sync")
+    workers, workers_eps, workers_state, workers_counts = _collect_dot("async")
     assert plain.truncated.any()  # episodes ended mid-rollout: bootstraps and resets are covered
     for name in ("actions", "logp", "values", "rewards", "terminated", "truncated", "final_values"):
-        assert torch.equal(getattr(plain, name), getattr(halves, name)), name
+        assert torch.equal(getattr(plain, name), getattr(workers, name)), name
     for key in plain.obs:
-        assert torch.equal(plain.obs[key], halves.obs[key]), key
-    key = lambda e: (e["return"], e["length"])  # noqa: E731
-    assert sorted(plain_eps, key=key) == sorted(halves_eps, key=key)
-    assert all(np.array_equal(plain_state.obs[k], halves_state.obs[k]) for k in plain_state.obs)
-    assert np.array_equal(plain_state.episode_return, halves_state.episode_return)
-    assert plain_counts == halves_counts  # per-env episode counters, which checkpoints save
+        assert torch.equal(plain.obs[key], workers.obs[key]), key
+        assert torch.equal(plain.last_obs[key], workers.last_obs[key]), key
+    assert plain_eps == workers_eps
+    assert all(np.array_equal(plain_state.obs[k], workers_state.obs[k]) for k in plain_state.obs)
+    assert np.array_equal(plain_state.episode_return, workers_state.episode_return)
+    assert plain_counts == workers_counts  # per-env episode counters, which checkpoints save
 
 
-def test_the_policy_acts_on_one_half_while_the_other_half_steps():
-    calls: list[str] = []
-    _collect_dot(overlap=True, calls=calls)
-    # half A (2 envs) is sent, then B (3 envs) acts and is sent before A is waited for, and so on
-    assert calls[:8] == ["act 2", "step_async A", "act 3", "step_async B",
-                         "step_wait A", "act 2", "step_async A", "step_wait B"]
-    assert calls.count("step_wait A") == calls.count("step_wait B") == 9
+def test_truncated_final_observations_are_kept_for_recomputing_their_bootstrap():
+    buf, _, state, _ = _collect_dot("sync")
+    index, final_obs = buf.truncated_final_obs()
+    truncated = torch.nonzero(buf.flat(buf.truncated & ~buf.terminated)).flatten()
+    assert len(truncated) and torch.equal(index.sort().values, truncated)
+    # the stored frames are the ones the bootstrap values were computed from
+    expected = ObsPolicy(2).value({k: v for k, v in final_obs.items()})
+    torch.testing.assert_close(buf.flat(buf.final_values)[index], expected)
+    for key, arr in state.obs.items():  # the observation after the last step, for GAE's bootstrap
+        assert np.array_equal(buf.last_obs[key].numpy(), arr)

@@ -26,7 +26,7 @@ def test_bench_prints_every_figure_and_writes_json(tmp_path):
     assert set(figures["raw_env_sps"]) == {"1 process", "2 async workers", "4 async workers"}
     assert all(v > 0 for v in figures["raw_env_sps"].values())
     for key in ("end_to_end_sps", "collect_sps", "update_samples_per_s", "peak_rss_bytes",
-                "time/collect", "time/score", "time/update"):
+                "time/collect", "time/values", "time/update"):
         assert figures[key] > 0, key
     # the end-to-end rate cannot beat collection alone, and the ratio is against the fastest raw env
     assert figures["end_to_end_sps"] < figures["collect_sps"]
@@ -47,3 +47,49 @@ def test_bench_update_compares_a_plain_update_with_visppos_and_writes_json(tmp_p
         ("micro=8", True, True, 8), ("micro=mb", True, True, 16)]
     assert all(len(r["seconds"]) == 2 and r["samples_per_second"] > 0 and r["peak_bytes"] > 0 for r in rows)
     assert rows[0]["ratio"] == 1.0
+
+
+def _fake_run(run_dir: Path, env_id: str, total: int, rows: list[tuple[int, float, float]]) -> None:
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(f"env:\n  id: {env_id}\nppo:\n  total_steps: {total}\n")
+    lines = ["global_step,episode_return,episode_success,steps_per_second"]
+    lines += [f"{s},{r},{ok},100.0" for s, r, ok in rows]
+    (run_dir / "metrics.csv").write_text("\n".join(lines) + "\n")
+
+
+def test_learning_table_takes_mean_and_std_over_seeds_at_each_step_count(tmp_path):
+    out = tmp_path / "table"
+    _fake_run(out / "reach" / "seed1", "visppo/Reach-v0", 2000, [(1000, 1.0, 0.0), (2000, 3.0, 0.5)])
+    _fake_run(out / "reach" / "seed2", "visppo/Reach-v0", 2000, [(1000, 2.0, 0.0), (2000, 5.0, 1.0)])
+    _fake_run(out / "short" / "seed1", "visppo/Push-v0", 2000, [(1000, 7.0, 0.0)])  # stopped early
+    md = tmp_path / "table.md"
+    proc = subprocess.run([sys.executable, str(TOOLS / "learning_table.py"), "table", str(out),
+                           "--at", "1k", "2k", "--markdown", str(md), "--plot", str(tmp_path / "c.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in md.read_text().splitlines() if line.startswith("| reach") or line.startswith("| short")]
+    assert rows[0].split(" | ")[2:6] == ["1,000", "2", "1.50 ± 0.71", "0.00 ± 0.00"]
+    assert rows[1].split(" | ")[2:6] == ["2,000", "2", "4.00 ± 1.41", "0.75 ± 0.35"]
+    assert rows[1].split(" | ")[8] == "0 ± 0"  # 2000 steps at 100 steps/s: 0.33 minutes
+    assert len(rows) == 3  # the short run has no figure at 2k: its row is left out
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_learning_table_run_skips_finished_runs_and_resumes_stopped_ones(tmp_path):
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import learning_table
+    finally:
+        sys.path.remove(str(TOOLS))
+    out, config = tmp_path / "t", Path("configs/dot_reach.yaml")
+    done = learning_table.run_dir_of(out, config, 1)
+    _fake_run(done, "visppo/DotReach-v0", 2000, [(2000, 1.0, 1.0)])
+    assert learning_table.finished(done)
+    stopped = learning_table.run_dir_of(out, config, 2)
+    _fake_run(stopped, "visppo/DotReach-v0", 4000, [(2000, 1.0, 1.0)])
+    (stopped / "checkpoints").mkdir()
+    (stopped / "checkpoints" / "latest.pt").write_bytes(b"")
+    assert not learning_table.finished(stopped)
+    assert learning_table.command(config, 2, stopped, [])[-2:] == ["--resume", str(stopped)]
+    fresh = learning_table.command(config, 3, learning_table.run_dir_of(out, config, 3), ["ppo.total_steps=64"])
+    assert "train.seed=3" in fresh and "train.threads=1" in fresh and fresh[-1] == "ppo.total_steps=64"

@@ -10,7 +10,7 @@ Prints, for one config, measured side by side in one invocation:
 - from real ``visppo train`` runs of ``--iterations`` iterations (the first,
   warm-up, left out): collection steps/s (acting and env stepping),
   update samples/s (minibatch samples through forward+backward per second of
-  the update phase), end-to-end steps/s, the time per phase (collect / score /
+  the update phase), end-to-end steps/s, the time per phase (collect / values /
   update / log), and the training process's peak memory (host RSS; on CUDA
   also ``max_memory_allocated``).
 

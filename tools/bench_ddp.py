@@ -1,4 +1,4 @@
-"""Training steps/s with 1 and 2 processes: ``torchrun`` + DDP (gloo on a CPU, NCCL on GPUs).
+"""Training steps/s with 1 and 2 processes under ``torchrun`` (gloo on a CPU, NCCL on GPUs).
 
     python tools/bench_ddp.py                                        # configs/dot_reach.yaml
     python tools/bench_ddp.py configs/dot_reach.yaml --iterations 8 --repeats 2
@@ -80,15 +80,15 @@ def main() -> None:
     print(f"{' '.join(args)}  ({os.cpu_count()} cores, {ns.iterations} iterations x {ns.repeats} run(s) per "
           f"count, {'same global sizes' if ns.split else 'the config per process'}; medians, warm-up left out)")
     print(f"{'processes':>9} {'global rollout':>14} {'steps/s':>8} {'speed-up':>8} {'collect s':>9} "
-          f"{'score s':>8} {'update s':>8}")
+          f"{'values s':>8} {'update s':>8}")
     base = None
     for c in counts:
         sps = statistics.median(float(r["steps_per_second"]) for r in rows[c])
         base = base or sps
-        phase = {k: statistics.median(float(r[f"time/{k}"]) for r in rows[c]) for k in ("collect", "score", "update")}
+        phase = {k: statistics.median(float(r[f"time/{k}"]) for r in rows[c]) for k in ("collect", "values", "update")}
         rollout = int(rows[c][0]["global_step"]) // int(rows[c][0]["iteration"])
         print(f"{c:>9} {rollout:>14} {sps:>8.0f} {sps / base:>7.2f}x {phase['collect']:>9.2f} "
-              f"{phase['score']:>8.2f} {phase['update']:>8.2f}")
+              f"{phase['values']:>8.2f} {phase['update']:>8.2f}")
 
 
 if __name__ == "__main__":

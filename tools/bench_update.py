@@ -34,11 +34,12 @@ import gymnasium as gym
 import torch
 
 from visppo.buffer import RolloutBuffer
+from visppo.builders import build_optimizer, build_policy, resolve_device
 from visppo.config import Config, UserError, load_config
 from visppo.envs import make_env, preload_before_gl
 from visppo.memory import format_bytes, peak_bytes
-from visppo.ppo import Precision, resolve_precision, update
-from visppo.train import build_optimizer, build_policy, resolve_device
+from visppo.ppo import MemorySizes, UpdateSetup, update
+from visppo.precision import Precision, resolve_precision
 
 DEFAULT_OVERRIDES = ["ppo.minibatch_size=256"]
 
@@ -113,7 +114,7 @@ class Setup:
     def __init__(self, cfg: Config, name: str, amp: str, channels_last: bool, fused: bool, micro: int,
                  device: torch.device, obs_space, action_space, buffer: RolloutBuffer):
         self.name, self.amp, self.channels_last, self.fused, self.device = name, amp, channels_last, fused, device
-        precision: Precision = resolve_precision(amp, device)  # ValueError: not on this device
+        precision: Precision = resolve_precision(amp, device)  # ConfigError: not on this device
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, channels_last=channels_last))
         torch.manual_seed(cfg.train.seed)
         policy = build_policy(cfg, obs_space, action_space, device, load_weights=False)
@@ -123,8 +124,9 @@ class Setup:
         ppo_cfg = dataclasses.replace(cfg.ppo, num_epochs=1, target_kl=0.0)
         generator = torch.Generator().manual_seed(cfg.train.seed)
         self.micro = micro or cfg.ppo.minibatch_size
-        self.run = lambda: update(policy, optimizer, buffer, ppo_cfg, self.micro, cfg.memory.infer_chunk_size,
-                                  device, precision, generator)
+        setup = UpdateSetup(ppo_cfg, MemorySizes(self.micro, int(cfg.memory.infer_chunk_size)), device,
+                            precision, generator)
+        self.run = lambda: update(policy, optimizer, buffer, setup)
         self.seconds: list[float] = []
         self.skipped = self.run().skipped_steps  # warm-up: also creates the Adam state, so peaks exclude it
 

@@ -15,7 +15,7 @@ The measurement runs what training runs, for real, in a fresh state:
   of two minibatches of ``2 x size`` samples each (so every minibatch accumulates two
   micro-batches), two epochs (the first creates Adam's state); the row's figure
   is the peak over all of it.
-- ``infer_chunk``: the same first, then ``ppo.score`` over the rollout in chunks of
+- ``infer_chunk``: the same first, then ``ppo.infer`` over the rollout in chunks of
   ``size`` (as after collection: gradients and Adam state live); the figure is
   the peak during the score pass.
 
@@ -103,9 +103,10 @@ def sizes_of(row: dict) -> tuple[int, int]:
 def _workload(cfg, device: torch.device, kind: str, size: int, phase):
     """Build what training builds and run it; ``phase(name)`` is a context manager around each part."""
     from visppo.buffer import RolloutBuffer
+    from visppo.builders import build_optimizer, build_policy
     from visppo.envs import make_env
-    from visppo.ppo import resolve_precision, score, update
-    from visppo.train import build_optimizer, build_policy
+    from visppo.ppo import MemorySizes, UpdateSetup, infer, update
+    from visppo.precision import resolve_precision
 
     env = make_env(cfg)
     obs_space, action_space = env.observation_space, env.action_space
@@ -127,11 +128,12 @@ def _workload(cfg, device: torch.device, kind: str, size: int, phase):
         optimizer = build_optimizer(cfg, policy)
         precision = resolve_precision(cfg.train.amp, device)
     micro = size if kind == "micro_batch" else cfg.ppo.minibatch_size
+    setup = UpdateSetup(cfg.ppo, MemorySizes(micro, 1024), device, precision, torch.Generator().manual_seed(1))
     with phase("update"):
-        update(policy, optimizer, buf, cfg.ppo, micro, 1024, device, precision, torch.Generator().manual_seed(1))
+        update(policy, optimizer, buf, setup)
     if kind == "infer_chunk":
         with phase("score"):
-            score(policy, flat, actions, size, device, precision)
+            infer(policy, flat, actions, MemorySizes(micro, size), device, precision)
     yield "done"
 
 

@@ -17,10 +17,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from visppo.builders import build_policy
 from visppo.config import Config
 from visppo.envs import make_env
 from visppo.policy import ActorCritic
-from visppo.ppo import resolve_precision
+from visppo.precision import acting_precision
 
 CLEARLY_FASTER = 1.5
 
@@ -52,16 +53,13 @@ def random_obs(obs_space, n: int) -> dict[str, torch.Tensor]:
 
 def bench_devices(cfg: Config, repeats: int = 5) -> dict:
     """Median seconds of one act pass and one micro-batch update per device, and a placement."""
-    from visppo.train import build_policy
-
     env = make_env(cfg)
     obs_space, action_space = env.observation_space, env.action_space
     env.close()
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     rows = []
     for device in devices:
-        amp = cfg.train.amp if not (cfg.train.amp == "fp16" and device.type == "cpu") else "off"
-        precision = resolve_precision(amp, device)
+        precision = acting_precision(cfg.train.amp, device)
         policy: ActorCritic = build_policy(cfg, obs_space, action_space, device, load_weights=False)
         act_obs = random_obs(obs_space, cfg.ppo.num_envs)
         micro = cfg.micro_batch
@@ -76,10 +74,10 @@ def bench_devices(cfg: Config, repeats: int = 5) -> dict:
         def update() -> None:
             policy.zero_grad(set_to_none=True)
             with precision.autocast():
-                logp, entropy, value = policy.evaluate(upd_obs, actions)
+                logp, entropy, value = policy.score_actions(upd_obs, actions)
             (logp.sum() + value.sum() + entropy.sum()).backward()
 
-        rows.append({"device": str(device), "amp": str(precision.dtype or "off").replace("torch.", ""),
+        rows.append({"device": str(device), "amp": precision.name,
                      "act_seconds": _median_seconds(act, device, repeats),
                      "act_batch": cfg.ppo.num_envs,
                      "update_seconds": _median_seconds(update, device, repeats),

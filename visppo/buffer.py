@@ -95,6 +95,11 @@ class RolloutBuffer:
         self.final_values = alloc((), torch.float32)
         self.advantages = alloc((), torch.float32)
         self.returns = alloc((), torch.float32)
+        self.last_obs: dict[str, torch.Tensor] = {}
+        """The observation after the last step (host memory): GAE bootstraps from its value."""
+        self.truncations: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+        """Per step with time-limit truncations: (flat indices, the final observations the
+        autoreset replaced), so their bootstrap values can be recomputed with a newer critic."""
 
     @property
     def size(self) -> int:
@@ -108,6 +113,17 @@ class RolloutBuffer:
     def flat(self, tensor: torch.Tensor) -> torch.Tensor:
         """``[T, N, ...]`` -> ``[T * N, ...]``, a view (channels_last storage included)."""
         return tensor.view(self.size, *tensor.shape[2:])
+
+    def flat_obs(self) -> dict[str, torch.Tensor]:
+        return {k: self.flat(v) for k, v in self.obs.items()}
+
+    def truncated_final_obs(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Flat indices of the rollout's time-limit truncations and their final observations."""
+        if not self.truncations:
+            return torch.zeros(0, dtype=torch.long), {}
+        index = torch.cat([i for i, _ in self.truncations])
+        keys = self.truncations[0][1]
+        return index, {k: torch.cat([obs[k] for _, obs in self.truncations]) for k in keys}
 
     def gather(self, index: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
         """Samples at flat ``index`` moved to ``device``; obs stay uint8 until the encoder.

@@ -1,4 +1,4 @@
-"""Checkpoints that are never half-written and never execute code when loaded.
+"""Every read and write of checkpoints: never half-written, never executing code when loaded.
 
 Saving writes a temporary file in the same directory, fsyncs it, and renames
 it over the target: a crash at any point leaves either the old complete file
@@ -12,13 +12,15 @@ import os
 import pickle
 import random
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
 
-from visppo.config import UserError
+from visppo import distributed
+from visppo.config import Config, ConfigError, UserError, build_config, to_dict
 
 
 class CheckpointError(UserError):
@@ -32,14 +34,15 @@ def file_mode() -> int:
     return 0o666 & ~mask
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path`` atomically (temp file + fsync + rename + dir fsync)."""
+def atomic_write(path: Path, write: Callable[[IO], None], binary: bool) -> None:
+    """Write ``path`` so that it is either the old complete file or the new complete one:
+    a temporary file in the same directory, fsynced, renamed over ``path``, directory fsynced."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, file_mode())
@@ -54,20 +57,14 @@ def atomic_save(obj: Any, path: Path) -> None:
         os.close(dir_fd)
 
 
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path`` atomically."""
+    atomic_write(path, lambda f: torch.save(obj, f), binary=True)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write a text file (JSON, YAML) so that it is either complete or absent."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, file_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: f.write(text), binary=False)
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -87,6 +84,39 @@ def load(path: str | Path) -> dict[str, Any]:
     if not isinstance(ckpt, dict) or "model" not in ckpt:
         raise CheckpointError(f"checkpoint {path} is not a visppo checkpoint (no 'model' entry)")
     return ckpt
+
+
+def read_weights_file(path: Path) -> dict:
+    """A weights file for ``model.encoder_weights`` (a state dict, or a visppo checkpoint), read
+    safely; a ConfigError says what is wrong with it."""
+    if not path.is_file():
+        raise ConfigError(f"model.encoder_weights: {path} is not a file: give a torchvision state dict, a "
+                          "visppo checkpoint, imagenet or none")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
+        raise ConfigError(f"model.encoder_weights: cannot read {path} with torch.load(weights_only=True) "
+                          f"({str(exc).splitlines()[0][:120]}): give a state dict of tensors or a visppo "
+                          "checkpoint") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"model.encoder_weights: {path} holds a {type(obj).__name__}, not a state dict")
+    return obj
+
+
+def describe_mismatch(expected: dict[str, torch.Tensor], got: dict[str, Any], theirs: str = "file") -> str:
+    """What keeps state dict ``got`` from loading into a module whose state dict is ``expected``:
+    missing and unexpected keys and shape mismatches, a few of each; empty when it fits."""
+    missing = [k for k in expected if k not in got]
+    unexpected = [k for k in got if k not in expected]
+    shapes = [f"{k} {tuple(got[k].shape)} vs {tuple(expected[k].shape)}" for k in expected
+              if k in got and isinstance(got[k], torch.Tensor) and got[k].shape != expected[k].shape]
+    parts = []
+    for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
+                         (f"shape mismatch ({theirs} vs model)", shapes)):
+        if items:
+            more = f" ... (+{len(items) - 4} more)" if len(items) > 4 else ""
+            parts.append(f"{label}: {', '.join(items[:4])}{more}")
+    return "; ".join(parts)
 
 
 def rng_state() -> dict[str, Any]:
@@ -109,3 +139,104 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------- a run's checkpoints
+
+RESUMABLE = ("ppo.total_steps", "run.progress", "run.tensorboard", "run.log_every",
+             "run.checkpoint_every", "run.keep_checkpoints", "train.threads", "train.max_bad_steps")
+"""Keys a resumed run may change; everything else would make it a different run."""
+
+
+def rank_state(generator: torch.Generator, envs, augment=None) -> dict:
+    """The states a process's own streams need to resume: RNGs, minibatch order, env episode
+    counters, and its augmentation draws (each rank draws its own)."""
+    state = {"rng": rng_state(), "minibatch_generator": generator.get_state(),
+             "env_episodes": [int(e) for e in envs.get_attr("episode")]}
+    if augment is not None:
+        state["augment_generator"] = augment.generator.get_state()
+    return state
+
+
+def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler | None, iteration: int, global_step: int,
+                    memory_sizes: dict[str, int], ranks: list[dict]) -> Path:
+    """Write ``checkpoints/iter_N.pt`` and ``latest.pt`` atomically; keep the last few numbered ones.
+
+    ``ranks``: every process's :func:`rank_state` (one under a single process); rank 0's
+    streams are also saved at the top level, where a single process reads them.
+    """
+    folder = run_dir / "checkpoints"
+    state = {
+        "model": policy.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler else {},
+        "config": to_dict(cfg),
+        "iteration": iteration,
+        "global_step": global_step,
+        **ranks[0],
+        "memory_sizes": memory_sizes,
+    }
+    if len(ranks) > 1:
+        state.update(world_size=len(ranks), ranks=ranks)
+    numbered = folder / f"iter_{iteration:06d}.pt"
+    for stale in folder.glob(".*.tmp"):  # left by a save that a kill interrupted
+        stale.unlink(missing_ok=True)
+    atomic_save(state, numbered)
+    atomic_save(state, folder / "latest.pt")
+    old = sorted(folder.glob("iter_*.pt"))
+    for path in old[: max(0, len(old) - cfg.run.keep_checkpoints)]:
+        path.unlink(missing_ok=True)
+    return folder / "latest.pt"
+
+
+def load_for_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, dict]:
+    """The saved config (with the few allowed overrides) and the checkpoint of a run directory."""
+    run_dir = Path(run_dir)
+    latest = run_dir / "checkpoints" / "latest.pt"
+    if not run_dir.is_dir() or not (run_dir / "config.yaml").is_file() or not latest.is_file():
+        raise ConfigError(f"--resume {run_dir} is not a run directory (no config.yaml and "
+                          "checkpoints/latest.pt): give the directory a run printed at its start")
+    ckpt = load(latest)
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key not in RESUMABLE:
+            raise ConfigError(f"{key} cannot change when resuming (only {', '.join(RESUMABLE)}); "
+                              "start a new run for other changes")
+    saved = ckpt["config"]
+    saved["run"]["dir"] = str(run_dir)
+    cfg = build_config(saved, overrides, source=str(latest))
+    if cfg.ppo.total_steps <= ckpt["global_step"]:
+        raise ConfigError(f"ppo.total_steps={cfg.ppo.total_steps} is already reached (the run is at step "
+                          f"{ckpt['global_step']}): raise it to train further")
+    return cfg, ckpt
+
+
+def resume_for_rank(ckpt: dict, ctx: distributed.Context) -> dict:
+    """The checkpoint as this process resumes it: under torchrun, with its own rank's streams
+    (RNGs, minibatch order, env episodes); refused if the number of processes changed."""
+    saved = int(ckpt.get("world_size", 1))
+    if saved != ctx.world:
+        how = "without torchrun" if saved == 1 else f"with torchrun and {saved} processes in all"
+        raise ConfigError(f"this run was trained by {saved} process(es), not {ctx.world}: resume it {how} "
+                          "(another count would change the rollout and minibatch sizes)")
+    return {**ckpt, **ckpt["ranks"][ctx.rank]} if ctx.enabled else ckpt
+
+
+def restore(ckpt: dict, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            scaler: torch.amp.GradScaler | None, generator: torch.Generator, envs) -> tuple[int, int]:
+    """Load every state a checkpoint carries; returns (first iteration to run, global step).
+    Call :func:`set_rng_state` (``ckpt["rng"]``) last, once building has drawn what it draws."""
+    try:
+        policy.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint does not fit this model: {str(exc).splitlines()[0][:200]}") from None
+    if scaler and ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
+    generator.set_state(ckpt["minibatch_generator"])
+    augment = getattr(policy, "augment", None)
+    if augment is not None and "augment_generator" in ckpt:
+        augment.generator.set_state(ckpt["augment_generator"])
+    envs.set_attr("episode", list(ckpt["env_episodes"]))
+    return int(ckpt["iteration"]) + 1, int(ckpt["global_step"])

@@ -32,7 +32,8 @@ def _split(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from visppo.train import load_for_resume, train
+    from visppo.checkpoint import load_for_resume
+    from visppo.train import train
 
     if ns.resume:
         if ns.args and "=" not in ns.args[0]:

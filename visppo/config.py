@@ -44,7 +44,7 @@ AUGMENTATIONS = ("none", "shift")
 @dataclass
 class EnvConfig:
     id: str = "visppo/Reach-v0"
-    """gymnasium id: a visppo task (visppo/DotReach-v0, ...) or any id that renders (Reacher-v5, ...)."""
+    """gymnasium id: a visppo task (visppo/DotReach-v0, ...), any id that renders (Reacher-v5, ...), dmc:<domain>-<task> (DeepMind Control, the dmc extra) or module:EnvId (imports module, which registers EnvId)."""
     pixels: bool = True
     """Observe rendered camera frames; false passes the env's own observation through (must be an image)."""
     state: bool = False
@@ -54,17 +54,17 @@ class EnvConfig:
     frame_stack: int = 1
     """Number of consecutive frames stacked along channels (needed when velocity matters)."""
     action_repeat: int = 1
-    """Times each action is repeated in the env; rewards are summed."""
+    """Times each action is repeated in the env; rewards are summed (dmc ids: the env repeats and renders one frame per agent step)."""
     camera: str = ""
-    """Camera name for gymnasium MuJoCo ids (empty: the env's default camera)."""
+    """Camera name for gymnasium MuJoCo ids (empty: the env's default camera); name or index for dmc ids (empty: 0, quadruped 2)."""
     render_samples: int = -1
     """Anti-aliasing samples of a MuJoCo env's offscreen renderer; -1 keeps the env's own (Reacher-v5: 4). 0 renders Reacher-v5 about 2.5x faster on a software GL (llvmpipe) with nearly the same 84x84 frames."""
     max_episode_steps: int = 0
-    """Time limit in env steps; 0 keeps the env's registered limit."""
+    """Time limit in env steps before action repeat (frames); 0 keeps the env's registered limit (dmc ids: 1000)."""
     vector: str = "auto"
-    """sync | async | auto: async worker processes (forkserver) for rendered envs when this process may use more than 2 CPUs (or with rollout.overlap); sync otherwise, and for the synthetic tasks."""
+    """sync | async | auto: async worker processes (forkserver) for rendered envs when this process may use more than 2 CPUs; sync otherwise, and for the synthetic tasks."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments passed to gymnasium.make."""
+    """Keyword arguments for the env's constructor, through gymnasium.make (e.g. env.kwargs.look=fast for dmc ids)."""
 
 
 @dataclass
@@ -177,8 +177,6 @@ class TrainConfig:
 class RolloutConfig:
     device: str = "auto"
     """cpu | cuda | cuda:N | auto (the train device): where the policy acts; a copy is synced once per iteration."""
-    overlap: bool = False
-    """Async envs in two halves stepped alternately: workers render one half while the policy acts on the other (same rollout; actions are sampled per half)."""
 
 
 @dataclass
@@ -276,8 +274,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return build_config(data, overrides, source=str(path) if path is not None else "the defaults")
 
 
+REMOVED = {
+    "rollout.overlap": (False, "rollout.overlap was removed: two alternating halves of async envs were "
+                        "slower than plain collection on every configuration measured; delete the key"),
+}
+"""Keys that no longer exist: (their old default, the message). A saved config holds every key,
+so a removed key at its old default is dropped quietly; any other value is refused."""
+
+
+def _drop_removed(data: dict, overrides: list[str] | tuple[str, ...], source: str) -> dict:
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for key, (default, message) in REMOVED.items():
+        section, name = key.split(".")
+        if isinstance(data.get(section), dict) and name in data[section]:
+            if data[section].pop(name) != default:
+                raise ConfigError(f"{message} (in {source})")
+        if any(item.split("=", 1)[0].strip() == key for item in overrides):
+            raise ConfigError(message)
+    return data
+
+
 def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source: str = "the config") -> Config:
     """Defaults <- ``data`` (nested sections) <- ``key=value`` overrides, validated."""
+    data = _drop_removed(data, overrides, source)
     cfg = _schema()
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.create(data))
@@ -335,10 +354,6 @@ def validate(cfg: Config) -> None:
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
 
-    def choice(key: str, value: str, options: tuple[str, ...]) -> None:
-        if value not in options:
-            raise ConfigError(f"{key} must be one of {' | '.join(options)}, got '{value}'")
-
     for key in ("memory.micro_batch_size", "memory.infer_chunk_size"):
         value = getattr(cfg.memory, key.split(".")[1])
         if isinstance(value, str) and value != "auto":
@@ -362,6 +377,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be >= 0, got {getattr(getattr(cfg, section), name)}")
     if cfg.env.render_samples < -1:
         raise ConfigError(f"env.render_samples must be -1 (the env's own) or >= 0, got {cfg.env.render_samples}")
+    _validate_relations(cfg)
+    _validate_choices(cfg)
+
+
+def _validate_relations(cfg: Config) -> None:
     if cfg.ppo.minibatch_size > cfg.rollout_size:
         raise ConfigError(
             f"ppo.minibatch_size ({cfg.ppo.minibatch_size}) is larger than the rollout "
@@ -374,6 +394,13 @@ def validate(cfg: Config) -> None:
         value = getattr(cfg.ppo, key.split(".")[1])
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{key} must be in [0, 1], got {value}")
+
+
+def _validate_choices(cfg: Config) -> None:
+    def choice(key: str, value: str, options: tuple[str, ...]) -> None:
+        if value not in options:
+            raise ConfigError(f"{key} must be one of {' | '.join(options)}, got '{value}'")
+
     if cfg.train.amp in ("False", "false"):  # YAML 1.1 reads a bare `off` as the boolean false
         cfg.train.amp = "off"
     choice("train.amp", cfg.train.amp, ("off", "bf16", "fp16", "auto"))

@@ -3,17 +3,20 @@
 ``torchrun --nproc_per_node=N -m visppo train ...`` starts N copies of the command with
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and the rendezvous address in
 their environment. :class:`Context` reads them. Without them (a plain ``visppo train``) the
-world is one process and nothing here runs: no process group, no DDP wrapper.
+world is one process and nothing here runs: no process group, no collectives.
 
-Each rank collects its own rollout with its own envs and seeds; DistributedDataParallel
-averages the gradients; the statistics that define the maths (the minibatch's advantage
-mean and std, approx-KL for early stopping) are all-reduced by the helpers below, episode
-statistics gathered for logging. Apart from the error type, imports nothing of visppo.
+Each rank collects its own rollout with its own envs and seeds and accumulates its
+minibatch's gradient locally; then :func:`reduce_minibatch` averages the gradients, the
+minibatch statistics (approx-KL for early stopping) and an out-of-memory flag over the ranks
+in one all-reduce, so every rank steps, stops or backs off alike. The advantage mean and std
+are all-reduced before (:func:`mean_std`); episode statistics are gathered for logging.
+Not DistributedDataParallel: its all-reduce runs inside the last backward, where a rank that
+ran out of memory could not take part, and the others would wait for it forever.
+Apart from the error type, imports nothing of visppo.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from collections.abc import Mapping
@@ -25,7 +28,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from visppo.config import ConfigError
 
@@ -117,25 +119,45 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
-                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                   else {"broadcast_buffers": False})
-"""The policy's buffers never change while training (BatchNorm stays in eval mode): no
-broadcast before every forward. DDP's constructor still copies rank 0's parameters and buffers."""
+def broadcast_parameters(module: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (seeding makes them equal already; this makes
+    it certain, e.g. after a nondeterministic initialisation)."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            moved = tensor.to(_comm_device())
+            dist.broadcast(moved, src=0)
+            tensor.copy_(moved)
 
 
-def wrap(module: nn.Module, device: torch.device, find_unused: bool = False,
-         bucket_cap_mb: float | None = None) -> DistributedDataParallel:
-    """``module`` in DistributedDataParallel: backward passes through its ``forward`` average the
-    gradients over the ranks (under ``no_sync()`` they only accumulate).
+def reduce_minibatch(params: list[nn.Parameter], stats: Mapping[str, torch.Tensor | float],
+                     failed: bool) -> tuple[dict[str, float], bool]:
+    """Average the minibatch's gradients and statistics over the ranks, and learn whether any rank
+    ``failed`` (ran out of memory): all in one all-reduce of one flat buffer.
 
-    ``find_unused`` is needed when some parameters get no gradient in a pass (an encoder
-    trunk that the freeze schedule runs under no_grad): DDP then looks for them after every
-    forward instead of waiting for their gradients forever.
+    The buffer has the same layout on every rank: every parameter's gradient (zeros where a rank
+    has none), then the statistics (same keys, same order), then the failure flag. Gradients
+    come back averaged into ``.grad`` where a rank has one (a frozen trunk keeps ``None``, so Adam
+    does not move it), unless some rank failed: then the minibatch is redone by every rank.
+    Like DistributedDataParallel's bucket, the buffer costs one copy of the gradients.
     """
-    return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
-                                   find_unused_parameters=find_unused, bucket_cap_mb=bucket_cap_mb,
-                                   **_NO_BUFFER_SYNC)
+    keys = list(stats)
+    device = _comm_device()
+    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device, torch.float32)
+             for p in params]
+    tail = torch.tensor([float(stats[k]) for k in keys] + [float(failed)], dtype=torch.float32, device=device)
+    flat = torch.cat([*parts, tail])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    anyone_failed = bool(flat[-1] > 0)
+    if not anyone_failed:
+        offset = 0
+        for p in params:
+            n = p.numel()
+            if p.grad is not None:
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+    means = dict(zip(keys, flat[-1 - len(keys):-1].tolist()))
+    return means, anyone_failed
 
 
 def _comm_device() -> torch.device:
@@ -156,14 +178,6 @@ def mean_std(x: torch.Tensor) -> tuple[float, float, int]:
     mean = total / n if n else float("nan")
     var = max(squares - n * mean * mean, 0.0) / (n - 1) if n > 1 else float("nan")
     return mean, math.sqrt(var), int(n)
-
-
-def mean_over_ranks(values: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
-    """Each value averaged over the ranks (the keys, in the same order on every rank): one all-reduce."""
-    keys = list(values)
-    stacked = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
-    dist.all_reduce(stacked)
-    return {k: v / dist.get_world_size() for k, v in zip(keys, stacked.tolist())}
 
 
 def all_gather(obj: Any) -> list[Any]:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from visppo.checkpoint import describe_mismatch, read_weights_file
 from visppo.config import ENCODERS, TORCHVISION_ENCODERS, ConfigError
 
 TORCHVISION_BACKBONES = {name: "resnet" if name.startswith("resnet") else "features"
@@ -328,40 +329,13 @@ def imagenet_weights_file(name: str) -> tuple[Path, str]:
     return Path(torch.hub.get_dir()) / "checkpoints" / url.rsplit("/", 1)[-1], url
 
 
-def _abbreviate(items: list[str], limit: int = 6) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" ... (+{len(items) - limit} more)" if len(items) > limit else "")
-
-
 def _load_strict(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    expected = module.state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(expected[k].shape)}" for k in expected
-              if k in state and isinstance(state[k], torch.Tensor) and state[k].shape != expected[k].shape]
-    if missing or unexpected or shapes:
-        parts = [f"{label}: {_abbreviate(items)}" for label, items in
-                 (("missing keys", missing), ("unexpected keys", unexpected),
-                  ("shape mismatch (file vs model)", shapes)) if items]
-        raise ConfigError(f"model.encoder_weights: {source} does not fit this encoder ({'; '.join(parts)}): "
+    mismatch = describe_mismatch(module.state_dict(), state)
+    if mismatch:
+        raise ConfigError(f"model.encoder_weights: {source} does not fit this encoder ({mismatch}): "
                           "give weights of the same architecture (model.encoder) and input shape")
     with torch.no_grad():
         module.load_state_dict(state, strict=True)
-
-
-def _read_weights(path: Path) -> dict:
-    if not path.is_file():
-        raise ConfigError(f"model.encoder_weights: {path} is not a file: give a torchvision state dict, a "
-                          "visppo checkpoint, imagenet or none")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
-        raise ConfigError(f"model.encoder_weights: cannot read {path} with torch.load(weights_only=True) "
-                          f"({str(exc).splitlines()[0][:120]}): give a state dict of tensors or a visppo "
-                          "checkpoint") from None
-    if not isinstance(obj, dict):
-        raise ConfigError(f"model.encoder_weights: {path} holds a {type(obj).__name__}, not a state dict")
-    return obj
 
 
 def _policy_state(obj: dict) -> dict | None:
@@ -395,10 +369,10 @@ def load_encoder_weights(encoders: list[ObsEncoder], spec: str, name: str) -> No
                 f"model.encoder_weights=imagenet: the {name} ImageNet weights file {path} is missing and "
                 f"visppo never downloads: fetch {url} on a machine with network and put it at {path} "
                 f"(the folder is $TORCH_HOME/hub/checkpoints), or set model.encoder_weights to a local file")
-        states, source = [_read_weights(path)] * len(encoders), str(path)
+        states, source = [read_weights_file(path)] * len(encoders), str(path)
     else:
         path = Path(spec).expanduser()
-        obj, source = _read_weights(path), str(path)
+        obj, source = read_weights_file(path), str(path)
         policy_state = _policy_state(obj)
         if policy_state is not None:
             def part(prefix: str) -> dict:

@@ -25,6 +25,8 @@ from visppo.config import Config, ConfigError, RunError
 from visppo_envs._gl import ensure_headless_gl
 
 SYNTHETIC_PREFIX = "visppo/Dot"
+DMC_PREFIXES = ("dmc:", "dmc/")
+"""``dmc:<domain>-<task>`` (alias) and ``dmc/<domain>-<task>-v0`` (registered): ``visppo_envs.dmc``."""
 
 
 class ActionRepeat(gym.Wrapper):
@@ -129,6 +131,71 @@ def _is_visppo_task(env_id: str) -> bool:
     return env_id.startswith("visppo/")
 
 
+def _is_dmc(env_id: str) -> bool:
+    """A DeepMind Control id (checked without importing ``visppo_envs.dmc``, which imports dm_control)."""
+    return env_id.startswith(DMC_PREFIXES)
+
+
+def resolve_env_id(env_id: str) -> str:
+    """The id to give ``gymnasium.make``, after importing what registers it; ConfigError if it cannot.
+
+    - ``dmc:<domain>-<task>`` (the published tables' ids) -> ``dmc/<domain>-<task>-v0``,
+      registered by ``visppo_envs.dmc`` when dm_control imports.
+    - ``module:EnvId`` (gymnasium's convention): ``module`` is imported here, so that an
+      import failure or an id the module does not register is a one-line error; the id is
+      returned unchanged and gymnasium imports the module again (a no-op) in each worker.
+    - anything else is returned unchanged (``visppo/*`` ids are registered by ``visppo_envs``).
+    """
+    import visppo_envs  # noqa: F401  registers visppo/* ids
+
+    if _is_dmc(env_id):
+        return _resolve_dmc(env_id)
+    if ":" in env_id:
+        module, _, name = env_id.partition(":")
+        _import_env_module(env_id, module, name)
+    return env_id
+
+
+def _resolve_dmc(env_id: str) -> str:
+    _preload_for_render()  # importing dm_control makes an EGL display (it loads Mesa's LLVM)
+    from visppo_envs import dmc
+
+    try:
+        gid = dmc.gym_id(env_id)
+        dmc.register_suite()
+    except ValueError as exc:
+        raise ConfigError(f"env.id: {exc}") from None
+    except dmc.SuiteUnavailable as exc:
+        raise ConfigError(f"env.id {env_id} needs the DeepMind Control Suite: {exc}") from None
+    if gid not in gym.registry:
+        domain = gid.split("/", 1)[1].split("-", 1)[0]
+        same = [i.split("/", 1)[1][:-3] for i in dmc.suite_ids() if i.startswith(f"dmc/{domain}-")]
+        known = ", ".join(same) if same else ", ".join(sorted({i[4:].split("-")[0] for i in dmc.suite_ids()}))
+        raise ConfigError(f"env.id {env_id}: the suite has no such task ({'its ' + domain + ' tasks' if same else 'domains'}: "
+                          f"{known}); use dmc:<domain>-<task>")
+    return gid
+
+
+def _import_env_module(env_id: str, module: str, name: str) -> None:
+    import importlib
+
+    if not module or not name:
+        raise ConfigError(f"env.id '{env_id}' must look like module:EnvId (e.g. my_robot.envs:Arm-v0)")
+    try:
+        importlib.import_module(module)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError(f"env.id {env_id}: cannot import module '{module}' ({type(exc).__name__}: {first}): "
+                          "install its package or put its folder on PYTHONPATH") from None
+    if name not in gym.registry:
+        ids = sorted(k for k, spec in gym.registry.items() if isinstance(spec.entry_point, str)
+                     and (spec.entry_point.split(":")[0] + ".").startswith(module + "."))
+        more = f" and {len(ids) - 8} more" if len(ids) > 8 else ""
+        found = f"it registers {', '.join(ids[:8])}{more}" if ids else "it registers no gymnasium id"
+        raise ConfigError(f"env.id {env_id}: module '{module}' imported but did not register '{name}' ({found}): "
+                          f"call gymnasium.register(id='{name}', ...) when it is imported, or fix the id")
+
+
 def make_env(cfg: Config) -> gym.Env:
     """One env with visppo's observation layout (used by workers and by evaluation)."""
     try:
@@ -141,42 +208,83 @@ def make_env(cfg: Config) -> gym.Env:
 
 
 def _make_env(cfg: Config) -> gym.Env:
-    import visppo_envs  # noqa: F401  registers visppo/* ids
-
     e = cfg.env
+    env_id = resolve_env_id(e.id)
     kwargs: dict[str, Any] = dict(e.kwargs)
+    if _is_dmc(env_id):
+        env = _make_dmc(cfg, env_id, kwargs)
+        return SeededEpisodes(PixelDict(env, e.frame_stack, e.state, e.image_size))
     if e.max_episode_steps:
         kwargs["max_episode_steps"] = e.max_episode_steps
-    if _is_visppo_task(e.id):
-        env = gym.make(e.id, image_size=e.image_size,
+    if _is_visppo_task(env_id):
+        env = gym.make(env_id, image_size=e.image_size,
                        obs_mode="pixels_state" if e.state else "pixels", **kwargs)
         if e.render_samples >= 0:
-            set_render_samples(env, e.render_samples, e.id)
+            set_render_samples(env, e.render_samples, env_id)
     elif e.pixels:
-        ensure_headless_gl()
-        if multiprocessing.parent_process() is None:  # the learner's process, not a worker
-            preload_before_gl()
-        cam = {}
-        if e.camera:
-            cam = {"camera_name": e.camera}
-        try:
-            env = gym.make(e.id, render_mode="rgb_array", width=e.image_size, height=e.image_size,
-                           **cam, **kwargs)
-        except TypeError:  # envs that do not take a render size
-            env = gym.make(e.id, render_mode="rgb_array", **kwargs)
-        if e.render_samples >= 0:  # before AddRenderObservation renders its first frame
-            set_render_samples(env, e.render_samples, e.id)
-        if env.render_mode != "rgb_array" or "rgb_array" not in env.metadata.get("render_modes", []):
-            env.close()
-            raise ConfigError(f"env.id {e.id} cannot render camera frames (no rgb_array render mode): "
-                              "pick an env that renders, or one with image observations and env.pixels=false")
-        env = gym.wrappers.AddRenderObservation(env, render_only=not e.state,
-                                                render_key="pixels", obs_key="state")
+        env = _make_rendered(cfg, env_id, kwargs)
     else:
-        env = gym.make(e.id, **kwargs)
+        env = gym.make(env_id, **kwargs)
     if e.action_repeat > 1:
         env = ActionRepeat(env, e.action_repeat)
     return SeededEpisodes(PixelDict(env, e.frame_stack, e.state, e.image_size))
+
+
+def _make_dmc(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
+    """A suite task: the env repeats actions itself and renders one frame per agent step.
+
+    ``env.action_repeat`` goes to the env rather than to :class:`ActionRepeat`, which would
+    render every repeated step's frame only to drop it (rendering is the cost here), and
+    ``env.max_episode_steps`` counts suite steps (frames), 1000 by default, whatever the repeat.
+    """
+    from visppo_envs import dmc
+
+    e = cfg.env
+    _preload_for_render()
+    kwargs.setdefault("action_repeat", e.action_repeat)
+    kwargs.setdefault("episode_frames", e.max_episode_steps or dmc.EPISODE_FRAMES)
+    if e.camera:
+        kwargs.setdefault("camera", e.camera)
+    try:
+        env = gym.make(env_id, image_size=e.image_size, obs_mode="pixels_state" if e.state else "pixels",
+                       **kwargs)
+    except dmc.SuiteUnavailable as exc:
+        raise ConfigError(f"env.id {e.id} needs the DeepMind Control Suite: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"env.id {e.id}: {exc} (check env.camera and env.kwargs)") from None
+    if e.render_samples >= 0:
+        set_render_samples(env, e.render_samples, e.id)
+    # The rate of suite steps, as for envs under ActionRepeat: evaluation videos divide it by the repeat.
+    env.metadata = {**env.metadata, "render_fps": env.unwrapped.metadata["render_fps"] * e.action_repeat}
+    return env
+
+
+def _preload_for_render() -> None:
+    ensure_headless_gl()
+    if multiprocessing.parent_process() is None:  # the learner's process, not a worker
+        preload_before_gl()
+
+
+def _make_rendered(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
+    """A gymnasium env that renders (``render_mode="rgb_array"``), its frames as observations."""
+    e = cfg.env
+    _preload_for_render()
+    cam = {}
+    if e.camera:
+        cam = {"camera_name": e.camera}
+    try:
+        env = gym.make(env_id, render_mode="rgb_array", width=e.image_size, height=e.image_size,
+                       **cam, **kwargs)
+    except TypeError:  # envs that do not take a render size
+        env = gym.make(env_id, render_mode="rgb_array", **kwargs)
+    if e.render_samples >= 0:  # before AddRenderObservation renders its first frame
+        set_render_samples(env, e.render_samples, env_id)
+    if env.render_mode != "rgb_array" or "rgb_array" not in env.metadata.get("render_modes", []):
+        env.close()
+        raise ConfigError(f"env.id {e.id} cannot render camera frames (no rgb_array render mode): "
+                          "pick an env that renders, or one with image observations and env.pixels=false")
+    return gym.wrappers.AddRenderObservation(env, render_only=not e.state,
+                                             render_key="pixels", obs_key="state")
 
 
 def set_render_samples(env: gym.Env, samples: int, env_id: str) -> None:
@@ -199,11 +307,10 @@ def set_render_samples(env: gym.Env, samples: int, env_id: str) -> None:
 
 def check_env_id(env_id: str) -> None:
     """Refuse an unknown id early, before any worker starts."""
-    import visppo_envs  # noqa: F401
-
-    if env_id not in gym.registry:
-        raise ConfigError(f"env.id '{env_id}' is not a registered gymnasium id: check the spelling "
-                          "or install the package that registers it")
+    name = resolve_env_id(env_id).split(":", 1)[-1]  # module:EnvId -> EnvId
+    if name not in gym.registry:
+        raise ConfigError(f"env.id '{env_id}' is not a registered gymnasium id: check the spelling, "
+                          "install the package that registers it, or name it as module:EnvId")
 
 
 def usable_cpus() -> int:
@@ -224,7 +331,7 @@ def use_async(cfg: Config) -> bool:
     """
     if cfg.env.vector == "auto":
         rendered = cfg.ppo.num_envs > 1 and not cfg.env.id.startswith(SYNTHETIC_PREFIX)
-        return rendered and (cfg.rollout.overlap or usable_cpus() > 2)
+        return rendered and usable_cpus() > 2
     return cfg.env.vector == "async"
 
 
@@ -246,77 +353,6 @@ def preload_before_gl() -> None:
     import torch._dynamo  # noqa: F401
 
 
-class AlternatingHalves(gym.vector.VectorEnv):
-    """The envs as two async vector envs of half each, for ``rollout.overlap``.
-
-    The rollout steps one half while the policy acts on the other, so the
-    workers render while the learner computes (see :func:`visppo.rollout.collect`).
-    As a vector env it behaves like one: ``step`` steps both halves at once and
-    env ``i`` is env ``i`` of the whole, seeds included.
-    """
-
-    def __init__(self, halves: list[gym.vector.AsyncVectorEnv]):
-        self.halves = halves
-        starts = np.cumsum([0] + [h.num_envs for h in halves])
-        self.slices = [slice(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
-        self.num_envs = int(starts[-1])
-        self.single_observation_space = halves[0].single_observation_space
-        self.single_action_space = halves[0].single_action_space
-        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
-        self.action_space = gym.vector.utils.batch_space(self.single_action_space, self.num_envs)
-        self.metadata = halves[0].metadata
-        self.processes = [p for h in halves for p in h.processes]  # global worker numbers in errors
-
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
-        for h, part in zip(self.halves, self.slices):  # env i gets seed + i, as in one vector env
-            h.reset_async(seed=None if seed is None else seed + part.start, options=options)
-        return self._join([h.reset_wait() for h in self.halves])
-
-    def step(self, actions: np.ndarray):
-        for h, part in zip(self.halves, self.slices):
-            h.step_async(actions[part])
-        return self._join([h.step_wait() for h in self.halves])
-
-    def _join(self, results: list[tuple]) -> tuple:
-        sizes = [h.num_envs for h in self.halves]
-        joined = [_join_arrays([r[k] for r in results], sizes) for k in range(len(results[0]) - 1)]
-        return (*joined, _join_infos([r[-1] for r in results], sizes))
-
-    def get_attr(self, name: str) -> tuple:
-        return tuple(v for h in self.halves for v in h.get_attr(name))
-
-    def set_attr(self, name: str, values: Any) -> None:
-        for h, part in zip(self.halves, self.slices):
-            h.set_attr(name, list(values)[part] if isinstance(values, (list, tuple)) else values)
-
-    def close(self, **kwargs: Any) -> None:
-        for h in self.halves:
-            h.close(**kwargs)
-
-
-def _join_arrays(parts: list, sizes: list[int]):
-    if isinstance(parts[0], dict):
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    return np.concatenate(parts)
-
-
-def _join_infos(infos: list[dict], sizes: list[int]) -> dict:
-    """Vector infos of the halves as one: arrays concatenated, a key missing in a half filled
-    as gymnasium does (zeros / False, None for objects)."""
-    out: dict[str, Any] = {}
-    for key in {k for info in infos for k in info}:
-        values = [info.get(key) for info in infos]
-        if any(isinstance(v, dict) for v in values):
-            out[key] = _join_infos([v if isinstance(v, dict) else {} for v in values], sizes)
-            continue
-        like = np.asarray(next(v for v in values if v is not None))
-        out[key] = np.concatenate([
-            np.asarray(v) if v is not None else
-            (np.full(n, None, dtype=object) if like.dtype == object else np.zeros((n, *like.shape[1:]), like.dtype))
-            for v, n in zip(values, sizes)])
-    return out
-
-
 def make_vector_env(cfg: Config, num_envs: int | None = None) -> gym.vector.VectorEnv:
     """``num_envs`` copies with SAME_STEP autoreset, async in forkserver workers when it pays."""
     check_env_id(cfg.env.id)
@@ -328,12 +364,7 @@ def make_vector_env(cfg: Config, num_envs: int | None = None) -> gym.vector.Vect
     mode = gym.vector.AutoresetMode.SAME_STEP
     if use_async(cfg):
         ctx = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-        if cfg.rollout.overlap and n >= 2:
-            envs = AlternatingHalves([
-                gym.vector.AsyncVectorEnv(part, shared_memory=True, context=ctx, autoreset_mode=mode)
-                for part in (fns[: n // 2], fns[n // 2:])])
-        else:
-            envs = gym.vector.AsyncVectorEnv(fns, shared_memory=True, context=ctx, autoreset_mode=mode)
+        envs = gym.vector.AsyncVectorEnv(fns, shared_memory=True, context=ctx, autoreset_mode=mode)
     else:
         envs = gym.vector.SyncVectorEnv(fns, autoreset_mode=mode)
     envs.env_id = cfg.env.id  # for error messages that name the env
@@ -360,9 +391,3 @@ def worker_errors(envs: gym.vector.VectorEnv, env_id: str) -> Iterator[None]:
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise RunError(f"env {env_id} failed during step: {type(exc).__name__}: {first[:200]}") from exc
-
-
-def step_envs(envs: gym.vector.VectorEnv, actions: np.ndarray, env_id: str):
-    """``envs.step`` with :func:`worker_errors`."""
-    with worker_errors(envs, env_id):
-        return envs.step(actions)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from visppo import checkpoint as ckpt_io
+from visppo.builders import build_policy
 from visppo.checkpoint import CheckpointError, atomic_write_text, file_mode
 from visppo.config import Config, ConfigError, UserError, from_dict
 from visppo.envs import check_env_id, make_env
@@ -74,9 +75,7 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
             raise UserError(f"video file {video} must end in one of {', '.join(VIDEO_SUFFIXES)}")
     check_env_id(cfg.env.id)
     env = make_env(cfg)
-    returns: list[float] = []
-    lengths: list[int] = []
-    successes: list[bool | None] = []
+    results: list[tuple[float, int, bool | None]] = []
     written: Path | None = None
     was_training = policy.training
     policy.eval()
@@ -85,46 +84,57 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
     # on a busy machine, waiting for them made each step ~40x slower here (29 ms vs 0.7 ms).
     torch.set_num_threads(cfg.train.threads or 1)
     try:
-        space = env.action_space
-        low, high = (space.low, space.high) if isinstance(space, gym.spaces.Box) else (None, None)
         render_view = getattr(env.unwrapped, "render_view", None)
         render_view = render_view if callable(render_view) else None
-        fps = _video_fps(env, cfg)
-        writer_cm = _video_writer(video, fps) if video is not None else _no_writer()
+        writer_cm = _video_writer(video, _video_fps(env, cfg)) if video is not None else _no_writer()
         with writer_cm as writer, torch.random.fork_rng(devices=[]), torch.inference_mode():
             torch.manual_seed(seed)
+            record = ((lambda obs: writer.append(compose_frame(obs["pixels"], cfg.env.frame_stack, render_view)))
+                      if writer is not None else None)
             for i in range(episodes):
-                obs, info = env.reset(seed=seed + i)
-                if writer is not None:
-                    writer.append(compose_frame(obs["pixels"], cfg.env.frame_stack, render_view))
-                total, length, done = 0.0, 0, False
-                while not done:
-                    batch = {k: torch.as_tensor(np.asarray(v))[None].to(device) for k, v in obs.items()}
-                    action, _, _ = policy.act(batch, deterministic=deterministic)
-                    env_action = action[0].cpu().numpy()
-                    if low is not None:
-                        env_action = np.clip(env_action, low, high)
-                    elif env_action.ndim == 0:
-                        env_action = int(env_action)
-                    obs, reward, terminated, truncated, info = env.step(env_action)
-                    total += float(reward)
-                    length += 1
-                    done = bool(terminated or truncated)
-                    if writer is not None:
-                        writer.append(compose_frame(obs["pixels"], cfg.env.frame_stack, render_view))
-                returns.append(total)
-                lengths.append(length)
-                successes.append(bool(np.asarray(info["is_success"]).item()) if "is_success" in info else None)
-            if writer is not None:
-                written = writer.path
+                results.append(run_episode(env, policy, seed + i, deterministic, device, record))
+            written = writer.path if writer is not None else None
     finally:
         env.close()
         policy.train(was_training)
         torch.set_num_threads(threads)
+    return summarize(results, deterministic, seed, written)
 
+
+def run_episode(env: gym.Env, policy: ActorCritic, seed: int, deterministic: bool, device: torch.device,
+                record=None) -> tuple[float, int, bool | None]:
+    """One episode reset with ``seed``: (return, length, success or None); ``record(obs)`` every frame."""
+    space = env.action_space
+    low, high = (space.low, space.high) if isinstance(space, gym.spaces.Box) else (None, None)
+    obs, info = env.reset(seed=seed)
+    if record is not None:
+        record(obs)
+    total, length, done = 0.0, 0, False
+    while not done:
+        batch = {k: torch.as_tensor(np.asarray(v))[None].to(device) for k, v in obs.items()}
+        action, _, _ = policy.act(batch, deterministic=deterministic)
+        env_action = action[0].cpu().numpy()
+        if low is not None:
+            env_action = np.clip(env_action, low, high)
+        elif env_action.ndim == 0:
+            env_action = int(env_action)
+        obs, reward, terminated, truncated, info = env.step(env_action)
+        total, length, done = total + float(reward), length + 1, bool(terminated or truncated)
+        if record is not None:
+            record(obs)
+    success = bool(np.asarray(info["is_success"]).item()) if "is_success" in info else None
+    return total, length, success
+
+
+def summarize(results: list[tuple[float, int, bool | None]], deterministic: bool, seed: int,
+              video: Path | None) -> dict[str, Any]:
+    """The dict :func:`run_episodes` returns, from its episodes' (return, length, success)."""
+    returns = [r for r, _, _ in results]
+    lengths = [n for _, n, _ in results]
+    successes = [s for _, _, s in results]
     reported = [s for s in successes if s is not None]
     return {
-        "episodes": episodes,
+        "episodes": len(results),
         "mean_return": float(np.mean(returns)),
         "std_return": float(np.std(returns)),
         "success_rate": float(np.mean(reported)) if reported else None,
@@ -134,7 +144,7 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
         "successes": successes,
         "deterministic": bool(deterministic),
         "seed": int(seed),
-        "video": str(written) if written is not None else None,
+        "video": str(video) if video is not None else None,
     }
 
 
@@ -161,8 +171,6 @@ def resolve_checkpoint(source: str | Path) -> Path:
 def load_policy(path: Path, device: torch.device = torch.device("cpu")
                 ) -> tuple[ActorCritic, Config, dict[str, Any]]:
     """Load a checkpoint safely and rebuild its policy on ``device``: ``(policy, cfg, ckpt)``."""
-    from visppo.train import build_policy
-
     ckpt = ckpt_io.load(path)
     if not isinstance(ckpt.get("config"), dict):
         raise CheckpointError(f"checkpoint {path} has no saved config: it was not written by visppo train")
@@ -181,31 +189,13 @@ def load_policy(path: Path, device: torch.device = torch.device("cpu")
         policy = build_policy(cfg, env.observation_space, env.action_space, device)
     finally:
         env.close()
-    _check_state_dict(path, policy.state_dict(), state)
+    mismatch = ckpt_io.describe_mismatch(policy.state_dict(), state, theirs="saved")
+    if mismatch:
+        raise CheckpointError(f"checkpoint {path} is a checkpoint of another architecture than its saved "
+                              f"config builds ({mismatch}): use a checkpoint written by this version of visppo")
     policy.load_state_dict(state)
     policy.eval()
     return policy, cfg, ckpt
-
-
-def _check_state_dict(path: Path, expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
-    missing = [k for k in expected if k not in got]
-    unexpected = [k for k in got if k not in expected]
-    shapes = [f"{k} {tuple(got[k].shape)} vs {tuple(expected[k].shape)}"
-              for k in expected if k in got and got[k].shape != expected[k].shape]
-    if not (missing or unexpected or shapes):
-        return
-    parts = []
-    for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
-                         ("shape mismatch (saved vs built)", shapes)):
-        if items:
-            parts.append(f"{label}: {_abbreviate(items)}")
-    raise CheckpointError(f"checkpoint {path} is a checkpoint of another architecture than its saved config "
-                          f"builds ({'; '.join(parts)}): use a checkpoint written by this version of visppo")
-
-
-def _abbreviate(items: list[str], limit: int = 3) -> str:
-    more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
 
 
 def evaluate(source: str | Path, episodes: int, deterministic: bool = False, video: Path | None = None,

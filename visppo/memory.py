@@ -18,7 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes", "peak_bytes", "is_oom", "format_bytes", "cuda_block_size", "largest_fitting"]
+__all__ = ["LiveBytes", "peak_bytes", "cpu_allocator_peak", "is_oom", "format_bytes", "cuda_block_size",
+           "largest_fitting"]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -141,6 +142,29 @@ def peak_bytes(fn: Callable[[], Any], device: torch.device | str) -> int:
     with LiveBytes() as meter:
         fn()
     return meter.peak
+
+
+def cpu_allocator_peak(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """``(peak, fn())``: the most bytes the CPU allocator held during ``fn()`` beyond what it held
+    before, from ``torch.profiler``'s allocation events (``profile_memory``).
+
+    Unlike :class:`LiveBytes` this sees what kernels allocate and free inside one op (oneDNN's
+    reordered weights and reduction buffers, im2col columns), which no dispatch mode can see.
+    It cannot run inside another profiler, and starting one costs milliseconds: measure
+    single ops, not whole steps.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+                    key=lambda event: event[0])  # stable: events of one instant keep their order
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak, out
 
 
 CUDA_BLOCK_ROUND = 512

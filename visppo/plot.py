@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import csv
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from visppo.checkpoint import file_mode
+from visppo.checkpoint import atomic_write
 from visppo.config import ConfigError
 
 PANELS = (("episode_return", "episode return"), ("episode_success", "success rate"))
@@ -98,7 +96,6 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import EngFormatter
 
     run_dirs = [Path(p) for p in run_dirs]
     if not run_dirs:
@@ -118,39 +115,35 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
 
     axes = fig.subplots(1, 2)
     for ax, (column, title) in zip(axes, PANELS):
-        drawn = False
-        for i, (metrics, label) in enumerate(zip(data, _labels(run_dirs))):
-            colour = f"C{i % 10}"
-            steps, values = metrics["global_step"], metrics.get(column)
-            if values is None or not np.isfinite(values).any():
-                ax.plot([], [], color=colour, label=f"{label} (no data)")
-                continue
-            keep = np.isfinite(values)
-            if smooth > 1:
-                ax.plot(steps[keep], values[keep], color=colour, alpha=0.25, linewidth=1)
-            ax.plot(steps, moving_average(values, smooth), color=colour, linewidth=2, label=label,
-                    marker="o" if keep.sum() == 1 else None)
-            drawn = True
-        if not drawn:
-            ax.text(0.5, 0.5, f"no {title} logged", transform=ax.transAxes, ha="center", va="center",
-                    color="0.4")
-        if column == "episode_success":
-            ax.set_ylim(-0.03, 1.03)
-        ax.set_xlabel("environment steps")
-        ax.set_ylabel(title)
-        ax.set_title(title + (f" (moving average of {smooth})" if smooth > 1 else ""))
-        ax.xaxis.set_major_formatter(EngFormatter())
-        ax.grid(True, alpha=0.3)
+        _draw_panel(ax, column, title, data, _labels(run_dirs), smooth)
     axes[0].legend(loc="best", fontsize="small")
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.stem}.", suffix=out.suffix)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format=fmt, dpi=120)
-        os.chmod(tmp, file_mode())
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(out, lambda f: fig.savefig(f, format=fmt, dpi=120), binary=True)
     return out
+
+
+def _draw_panel(ax, column: str, title: str, data: list[dict], labels: list[str], smooth: int) -> None:
+    """One metric of every run: faint raw values under their moving average."""
+    from matplotlib.ticker import EngFormatter
+
+    drawn = False
+    for i, (metrics, label) in enumerate(zip(data, labels)):
+        colour = f"C{i % 10}"
+        steps, values = metrics["global_step"], metrics.get(column)
+        if values is None or not np.isfinite(values).any():
+            ax.plot([], [], color=colour, label=f"{label} (no data)")
+            continue
+        keep = np.isfinite(values)
+        if smooth > 1:
+            ax.plot(steps[keep], values[keep], color=colour, alpha=0.25, linewidth=1)
+        ax.plot(steps, moving_average(values, smooth), color=colour, linewidth=2, label=label,
+                marker="o" if keep.sum() == 1 else None)
+        drawn = True
+    if not drawn:
+        ax.text(0.5, 0.5, f"no {title} logged", transform=ax.transAxes, ha="center", va="center", color="0.4")
+    if column == "episode_success":
+        ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel("environment steps")
+    ax.set_ylabel(title)
+    ax.set_title(title + (f" (moving average of {smooth})" if smooth > 1 else ""))
+    ax.xaxis.set_major_formatter(EngFormatter())
+    ax.grid(True, alpha=0.3)

@@ -1,9 +1,9 @@
 """ActorCritic: an encoder, a Gaussian or categorical actor, and a value head.
 
 Three entry points and nothing else: ``act`` (sample at collection time),
-``evaluate`` (log-prob, entropy and value of stored actions, for the loss) and
-``value`` (for bootstrapping); ``evaluate_augmented`` is ``evaluate`` plus what
-the DrAC terms of the update need. Distributions are built in float32 even under
+``score_actions`` (log-prob, entropy and value of stored actions, for the loss) and
+``value`` (for bootstrapping); ``score_actions_augmented`` is ``score_actions`` plus
+what the DrAC terms of the update need. Distributions are built in float32 even under
 autocast: log-probs feed a ratio ``exp(new - old)`` that low precision would
 distort. ``augment`` (a RandomShift, or None) is used by the update only.
 """
@@ -107,15 +107,15 @@ class ActorCritic(nn.Module):
             action = dist.sample()
         return action, self._log_prob(dist, action), self._value(critic_feats)
 
-    def evaluate(self, obs: Obs, action: torch.Tensor):
+    def score_actions(self, obs: Obs, action: torch.Tensor):
         """Log-prob, entropy and value of given actions, with gradients, for the loss."""
         actor_feats, critic_feats = self._features(obs)
         dist = self._dist(actor_feats)
         entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
         return self._log_prob(dist, action), entropy, self._value(critic_feats)
 
-    def evaluate_augmented(self, obs: Obs, aug_obs: Obs, action: torch.Tensor):
-        """``evaluate`` on ``obs``, plus for the DrAC terms: its distribution, and the distribution and
+    def score_actions_augmented(self, obs: Obs, aug_obs: Obs, action: torch.Tensor):
+        """``score_actions`` on ``obs``, plus for the DrAC terms: its distribution, and the distribution and
         value on ``aug_obs``. One pass of every module over both stacked (no layer mixes samples, so it
         equals two passes; and memory trackers see each module once).
 

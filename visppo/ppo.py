@@ -1,30 +1,35 @@
 """The PPO update, memory-bounded: chunked no-grad passes and accumulated micro-batches.
 
-Two memory knobs, neither of which changes the maths:
+Two memory knobs (:class:`MemorySizes`), neither of which changes the maths:
 
-- ``infer_chunk_size``: every no-grad pass (bootstrap values, recomputed
-  ``logp_old`` and values) runs over at most this many samples at a time.
-- ``micro_batch_size``: each minibatch's backward runs in slices of this many
-  samples. A slice's loss is ``sum(per-sample loss) / minibatch_size``, so the
-  summed gradients are the minibatch's gradient, also when the last slice is
-  shorter. Everything that is a statistic *of the minibatch* (advantage
-  normalisation, approx-KL for early stopping, clip fraction) is computed over
-  the whole minibatch, never per slice. One clip and one optimizer step per
-  minibatch.
+- ``chunk`` (``memory.infer_chunk_size``): every no-grad pass (bootstrap
+  values, recomputed ``logp_old`` and values) runs over at most this many
+  samples at a time (:func:`infer`).
+- ``micro`` (``memory.micro_batch_size``): each minibatch's backward runs in
+  slices of this many samples. A slice's loss is ``sum(per-sample loss) /
+  minibatch_size``, so the summed gradients are the minibatch's gradient, also
+  when the last slice is shorter. Everything that is a statistic *of the
+  minibatch* (advantage normalisation, approx-KL for early stopping, clip
+  fraction) is computed over the whole minibatch, never per slice. One clip and
+  one optimizer step per minibatch.
 
-Under torchrun, ``update`` gets a DistributedDataParallel wrapper of :class:`Evaluate`
-(``ddp``) and every rank runs it on its own rollout: micro-batches before a minibatch's
-last run under ``no_sync()``, so gradients are all-reduced once per optimizer step, and
-the minibatch statistics above are those of all ranks' minibatches together
-(:mod:`visppo.distributed`).
+An out-of-memory error in any pass halves the size concerned and retries the
+same chunk or minibatch (:func:`with_oom_backoff`): the result is the same.
+
+Under torchrun every rank accumulates its own minibatch's gradient locally;
+then one all-reduce per minibatch averages the gradients, the minibatch
+statistics and an out-of-memory flag over the ranks
+(:func:`visppo.distributed.reduce_minibatch`), so every rank steps, skips,
+stops early or backs off alike.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -34,64 +39,25 @@ from visppo.buffer import RolloutBuffer, compute_gae, micro_batches, minibatches
 from visppo.config import PPOConfig
 from visppo.memory import is_oom
 from visppo.policy import ActorCritic, Obs
+from visppo.precision import Precision
 
-# --------------------------------------------------------------------------- precision
+T = TypeVar("T")
+STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac")
+"""Per-minibatch statistics of the PPO loss (means over the minibatch)."""
+DRAC_STATS = ("drac_policy", "drac_value")
 
-
-@dataclass
-class Precision:
-    """Mixed-precision settings for one device: autocast dtype (None = fp32) and fp16 scaler."""
-
-    device: torch.device
-    dtype: torch.dtype | None = None
-    scaler: torch.amp.GradScaler | None = None
-
-    def autocast(self) -> AbstractContextManager:
-        if self.dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 matmul units (AVX512-BF16 or AMX)."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_precision(amp: str, device: torch.device) -> Precision:
-    """``train.amp`` -> Precision. ``auto``: bf16 where the hardware does it fast, else fp32."""
-    if amp == "auto":
-        if device.type == "cuda":
-            amp = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        else:
-            amp = "bf16" if cpu_has_fast_bf16() else "off"
-    if amp == "off":
-        return Precision(device)
-    if amp == "fp16":
-        if device.type != "cuda":
-            raise ValueError("train.amp=fp16 needs a CUDA device: use bf16 or off on the CPU")
-        return Precision(device, torch.float16, torch.amp.GradScaler("cuda"))
-    return Precision(device, torch.bfloat16)
-
-
-# --------------------------------------------------------------------------- memory sizes
+# --------------------------------------------------------------------------- memory sizes, OOM back-off
 
 
 @dataclass
 class MemorySizes:
-    """The two memory knobs in effect. An out-of-memory error halves the one concerned for
-    the rest of the run (the retried pass gives the same result: sizes never change the maths)."""
+    """The two memory knobs in effect; an out-of-memory error halves one for the rest of the run."""
 
     micro: int
     chunk: int
 
-    def halve(self, which: str, exc: BaseException) -> None:
+    def halve(self, which: str) -> None:
         size = getattr(self, which)
-        if size <= 1 or not is_oom(exc):
-            raise exc
         setattr(self, which, size // 2)
         name = {"micro": "memory.micro_batch_size", "chunk": "memory.infer_chunk_size"}[which]
         warnings.warn(f"out of memory at {name}={size}: retrying with {size // 2} for the rest of the run",
@@ -100,79 +66,84 @@ class MemorySizes:
             torch.cuda.empty_cache()
 
 
-def _sizes(chunk: int | MemorySizes) -> MemorySizes:
-    return chunk if isinstance(chunk, MemorySizes) else MemorySizes(micro=0, chunk=int(chunk))
+class PeerOutOfMemory(MemoryError):
+    """Another rank ran out of memory in this minibatch: every rank backs off together."""
+
+
+def with_oom_backoff(attempt: Callable[[], T], sizes: MemorySizes, which: str,
+                     cleanup: Callable[[], None] | None = None) -> T:
+    """``attempt()`` until it fits: an out-of-memory error runs ``cleanup``, halves ``sizes.<which>``
+    and tries again. Any other error, or an OOM at size 1, propagates."""
+    while True:
+        try:
+            return attempt()
+        except Exception as exc:
+            if cleanup is not None:
+                cleanup()
+            if not is_oom(exc) or getattr(sizes, which) <= 1:
+                raise
+            sizes.halve(which)
 
 
 # --------------------------------------------------------------------------- no-grad passes
 
 
-def _slice(obs: Obs, start: int, stop: int, device: torch.device) -> Obs:
-    nb = device.type == "cuda"
-    return {k: v[start:stop].to(device, non_blocking=nb) for k, v in obs.items()}
-
-
 @torch.inference_mode()
-def score(policy: ActorCritic, obs: Obs, actions: torch.Tensor | None, chunk_size: int | MemorySizes,
-          device: torch.device, precision: Precision | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Values (and log-probs of ``actions`` if given) of flat ``obs``, ``chunk_size`` at a time.
+def infer(policy: ActorCritic, obs: Obs, actions: torch.Tensor | None, sizes: MemorySizes,
+          device: torch.device, precision: Precision) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Values (and log-probs of ``actions`` if given) of flat ``obs``, ``sizes.chunk`` at a time.
 
     Inputs may live on the host; each chunk moves to ``device`` alone, so peak
     memory is one chunk's activations whatever the rollout size. Outputs are
-    float32 on the CPU. Given :class:`MemorySizes`, an out-of-memory error
-    halves ``sizes.chunk`` and retries the same chunk.
+    float32 on the CPU.
     """
-    sizes = _sizes(chunk_size)
-    autocast = precision.autocast() if precision else nullcontext()
     n = next(iter(obs.values())).shape[0]
     values = torch.empty(n, dtype=torch.float32)
     logp = torch.empty(n, dtype=torch.float32) if actions is not None else None
+
+    def chunk_from(start: int) -> int:
+        stop = min(start + sizes.chunk, n)
+        chunk = {k: v[start:stop].to(device, non_blocking=device.type == "cuda") for k, v in obs.items()}
+        with precision.autocast():
+            if actions is None:
+                values[start:stop] = policy.value(chunk).float().cpu()
+            else:
+                lp, _, v = policy.score_actions(chunk, actions[start:stop].to(device))
+                values[start:stop] = v.float().cpu()
+                logp[start:stop] = lp.float().cpu()  # type: ignore[index]
+        return stop
+
     start = 0
     while start < n:
-        stop = min(start + sizes.chunk, n)
-        try:
-            chunk = _slice(obs, start, stop, device)
-            with autocast:
-                if actions is None:
-                    values[start:stop] = policy.value(chunk).float().cpu()
-                else:
-                    lp, _, v = policy.evaluate(chunk, actions[start:stop].to(device))
-                    values[start:stop] = v.float().cpu()
-                    logp[start:stop] = lp.float().cpu()  # type: ignore[index]
-        except Exception as exc:  # noqa: BLE001  re-raised unless it is an OOM
-            sizes.halve("chunk", exc)
-            continue
-        start = stop
+        start = with_oom_backoff(lambda: chunk_from(start), sizes, "chunk")
     return values, logp
 
 
-def score_rollout(policy: ActorCritic, buffer: RolloutBuffer, last_obs: Obs, cfg: PPOConfig,
-                  chunk_size: int | MemorySizes, device: torch.device, precision: Precision) -> None:
-    """After collection: bootstrap value of the last observation (and ``logp_old`` again if
-    ``cfg.recompute_logp_old``), chunked; then GAE into ``buffer.advantages`` / ``returns``."""
-    last_value, _ = score(policy, last_obs, None, chunk_size, device, precision)
-    if cfg.recompute_logp_old:
-        flat_obs = {k: buffer.flat(v) for k, v in buffer.obs.items()}
-        _, logp = score(policy, flat_obs, buffer.flat(buffer.actions), chunk_size, device, precision)
+def compute_values(policy: ActorCritic, buffer: RolloutBuffer, setup: UpdateSetup,
+                   recompute_logp_old: bool = False) -> torch.Tensor:
+    """After collection: the bootstrap value of the observation after the last step (and, when
+    asked, ``buffer.logp`` again in the update's precision), chunked. Returns ``last_value``."""
+    if recompute_logp_old:
+        _, logp = infer(policy, buffer.flat_obs(), buffer.flat(buffer.actions), setup.sizes,
+                        setup.device, setup.precision)
         buffer.logp.copy_(logp.view(buffer.T, buffer.N))
-    adv, ret = compute_gae(buffer.rewards, buffer.values, last_value, buffer.terminated,
-                           buffer.truncated, buffer.final_values, cfg.gamma, cfg.gae_lambda)
-    buffer.advantages.copy_(adv)
-    buffer.returns.copy_(ret)
+    last_value, _ = infer(policy, buffer.last_obs, None, setup.sizes, setup.device, setup.precision)
+    return last_value
 
 
-def recompute_advantages(policy: ActorCritic, buffer: RolloutBuffer, last_obs: Obs, cfg: PPOConfig,
-                         chunk_size: int | MemorySizes, device: torch.device, precision: Precision) -> None:
-    """Refresh ``buffer.values``, advantages and returns with the current critic (chunked)."""
-    values, _ = score(policy, {k: buffer.flat(v) for k, v in buffer.obs.items()}, None,
-                      chunk_size, device, precision)
+def recompute_advantages(policy: ActorCritic, buffer: RolloutBuffer, setup: UpdateSetup) -> None:
+    """Refresh every value GAE uses with the current critic (chunked): the rollout's values, the
+    bootstrap values of time-limit truncations, the last observation's; then advantages and returns."""
+    values, _ = infer(policy, buffer.flat_obs(), None, setup.sizes, setup.device, setup.precision)
     buffer.values.copy_(values.view(buffer.T, buffer.N))
-    last_value, _ = score(policy, last_obs, None, chunk_size, device, precision)
-    adv, ret = compute_gae(buffer.rewards, buffer.values, last_value, buffer.terminated,
-                           buffer.truncated, buffer.final_values, cfg.gamma, cfg.gae_lambda)
-    buffer.advantages.copy_(adv)
-    buffer.returns.copy_(ret)
+    index, final_obs = buffer.truncated_final_obs()
+    if len(index):
+        final_values, _ = infer(policy, final_obs, None, setup.sizes, setup.device, setup.precision)
+        buffer.flat(buffer.final_values)[index] = final_values
+    last_value, _ = infer(policy, buffer.last_obs, None, setup.sizes, setup.device, setup.precision)
+    buffer.advantages[:], buffer.returns[:] = compute_gae(
+        buffer.rewards, buffer.values, last_value, buffer.terminated, buffer.truncated,
+        buffer.final_values, setup.ppo.gamma, setup.ppo.gae_lambda)
 
 
 # --------------------------------------------------------------------------- the loss
@@ -208,191 +179,198 @@ def ppo_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.T
     return loss, stats
 
 
-# --------------------------------------------------------------------------- the update
-
-
-class Evaluate(nn.Module):
-    """``forward`` is ``policy.evaluate`` (``evaluate_augmented`` given ``aug_obs``): the module
-    DistributedDataParallel wraps, since DDP reduces the gradients of passes through ``forward`` only."""
-
-    def __init__(self, policy: ActorCritic):
-        super().__init__()
-        self.policy = policy
-
-    def forward(self, obs: Obs, actions: torch.Tensor, aug_obs: Obs | None = None):
-        if aug_obs is None:
-            return self.policy.evaluate(obs, actions)
-        return self.policy.evaluate_augmented(obs, aug_obs, actions)
-
-
-def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Tensor,
-                       advantages: torch.Tensor, cfg: PPOConfig, micro_batch_size: int,
-                       device: torch.device, precision: Precision, ddp: nn.Module | None = None
-                       ) -> dict[str, torch.Tensor]:
-    """Accumulate the gradient of the minibatch ``mb`` into ``.grad``, one micro-batch at a time.
-
-    ``advantages`` are the minibatch's (already normalised over the whole
-    minibatch). Returns the minibatch's mean loss terms, approx-KL and clip fraction
-    (0-d tensors, so that no host sync happens per minibatch unless asked).
-
-    With ``cfg.drac_coef`` and ``policy.augment``: the PPO loss stays on the
-    original frames; each micro-batch also runs on its augmented frames (on the
-    device, in the same forward pass) for the DrAC terms. The minibatch's augmentation draws are made
-    at once before the split, so micro-batching does not change them.
-
-    ``ddp`` (DistributedDataParallel over ``Evaluate(policy)``): the forward passes go through
-    it, all but the last micro-batch under ``no_sync()``: one all-reduce of the summed gradient.
-    """
-    from visppo.augment import drac_loss
-
-    n = len(mb)
-    sums: dict[str, torch.Tensor] = {}
-    offset = 0
-    augment = getattr(policy, "augment", None) if cfg.drac_coef else None
-    if augment is not None:  # drawn ahead, committed at the end: an OOM retry draws the same shifts
-        draws, rng_after = augment.draw_ahead(n)
-    micros = list(micro_batches(mb, micro_batch_size))
-    for i, micro in enumerate(micros):
-        accumulate_only = ddp.no_sync() if ddp is not None and i < len(micros) - 1 else nullcontext()
-        with accumulate_only:  # forward and backward: only the minibatch's last backward all-reduces
-            batch = buffer.gather(micro, device)
-            micro_adv = advantages[offset:offset + len(micro)].to(device)
-            obs = obs_of(batch)
-            with precision.autocast():
-                if augment is None:
-                    new_logp, entropy, new_values = _evaluate(policy, ddp, obs, batch["actions"])
-                else:
-                    aug_obs = augment.augment_obs(obs, draws[offset:offset + len(micro)])
-                    new_logp, entropy, new_values, dist, aug_dist, aug_values = _evaluate(
-                        policy, ddp, obs, batch["actions"], aug_obs)
-            offset += len(micro)
-            loss, stats = ppo_loss(new_logp, batch["logp"], micro_adv, new_values, batch["values"],
-                                   batch["returns"], entropy, cfg.clip_coef, cfg.clip_value,
-                                   cfg.value_coef, cfg.entropy_coef)
-            if augment is not None:
-                reg, reg_stats = drac_loss(dist, new_values, aug_dist, aug_values)
-                loss = loss + cfg.drac_coef * reg
-                stats.update(reg_stats)
-            loss = loss.sum() / n  # the minibatch mean, split over micro-batches
-            (precision.scaler.scale(loss) if precision.scaler else loss).backward()
-        for k, v in stats.items():
-            sums[k] = sums.get(k, 0.0) + v.sum().float()
-    if augment is not None:
-        augment.generator.set_state(rng_after)
-    return {k: v / n for k, v in sums.items()}  # tensors: no device sync here
-
-
-def _evaluate(policy: ActorCritic, ddp: nn.Module | None, obs: Obs, actions: torch.Tensor,
-              aug_obs: Obs | None = None):
-    if ddp is not None:
-        return ddp(obs, actions, aug_obs)  # through DDP's forward, or no gradient would be reduced
-    if aug_obs is None:
-        return policy.evaluate(obs, actions)
-    return policy.evaluate_augmented(obs, aug_obs, actions)
-
-
-def normalize_advantages(adv: torch.Tensor, ddp: nn.Module | None = None) -> torch.Tensor:
+def normalize_advantages(adv: torch.Tensor, across_ranks: bool = False) -> torch.Tensor:
     """``(adv - mean) / (std + 1e-8)`` with the mean and unbiased std of the whole minibatch (never
-    of a micro-batch); with ``ddp``, of the minibatch over all ranks (one all-reduce)."""
-    if ddp is None:
+    of a micro-batch); ``across_ranks``: of the minibatch over all ranks (one all-reduce)."""
+    if not across_ranks:
         return (adv - adv.mean()) / (adv.std() + 1e-8) if len(adv) > 1 else adv
     mean, std, count = distributed.mean_std(adv)
     return (adv - mean) / (std + 1e-8) if count > 1 else adv
 
 
+# --------------------------------------------------------------------------- the update
+
+
+@dataclass
+class UpdateSetup:
+    """How to update, apart from the data: the maths, the memory sizes, where and in what precision.
+
+    ``generator`` draws the minibatch order; ``before_step(optimizer)`` runs before every
+    optimizer step (the encoder freeze schedule); ``across_ranks``: under torchrun, minibatch
+    gradients and statistics are averaged over the ranks.
+    """
+
+    ppo: PPOConfig
+    sizes: MemorySizes
+    device: torch.device
+    precision: Precision
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    before_step: Callable[[torch.optim.Optimizer], None] | None = None
+    across_ranks: bool = False
+
+
 @dataclass
 class UpdateResult:
-    """What one iteration's update did, averaged over the minibatches that stepped."""
+    """What one iteration's update did; losses are means over the minibatches that stepped."""
 
-    stats: dict[str, float]
-    optimizer_steps: int
-    skipped_steps: int
-    early_stopped: bool
+    policy_loss: float = math.nan
+    value_loss: float = math.nan
+    entropy: float = math.nan
+    approx_kl: float = math.nan
+    clip_frac: float = math.nan
+    grad_norm: float = math.nan
+    drac_policy: float = math.nan
+    drac_value: float = math.nan
+    stop_kl: float = math.nan
+    """The approx-KL of the minibatch that stopped the update early (NaN: no early stop)."""
+    optimizer_steps: int = 0
+    skipped_steps: int = 0
+    """Minibatches whose gradient was not finite: no step taken."""
     trailing_skips: int = 0
     """Non-finite steps since the last good one (the divergence guard counts these across updates)."""
 
+    @property
+    def early_stopped(self) -> bool:
+        return not math.isnan(self.stop_kl)
+
+    def losses(self) -> dict[str, float]:
+        """The loss terms and minibatch statistics, for the metrics (``loss/<name>``)."""
+        return {name: getattr(self, name) for name in (*STATS, "grad_norm", *DRAC_STATS, "stop_kl")}
+
+
+def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Tensor,
+                       advantages: torch.Tensor, setup: UpdateSetup) -> dict[str, torch.Tensor]:
+    """Accumulate the gradient of the minibatch ``mb`` into ``.grad``, ``setup.sizes.micro``
+    samples per backward; no collective communication.
+
+    ``advantages`` are the minibatch's (already normalised over the whole
+    minibatch). Returns the minibatch's mean loss terms, approx-KL and clip fraction
+    (0-d tensors: no host sync per minibatch unless asked).
+
+    With ``ppo.drac_coef`` and ``policy.augment``: the PPO loss stays on the
+    original frames; each micro-batch also runs on its augmented frames (in the
+    same forward pass) for the DrAC terms. The minibatch's augmentation draws are
+    made before the split, so micro-batching does not change them, and committed
+    at the end, so a retry after an OOM draws the same ones.
+    """
+    from visppo.augment import drac_loss
+
+    cfg, precision, n = setup.ppo, setup.precision, len(mb)
+    augment = policy.augment if cfg.drac_coef else None
+    if augment is not None:
+        draws, rng_after = augment.draw_ahead(n)
+    sums: dict[str, torch.Tensor] = {}
+    offset = 0
+    for micro in micro_batches(mb, setup.sizes.micro):
+        batch = buffer.gather(micro, setup.device)
+        obs, actions, stop = obs_of(batch), batch["actions"], offset + len(micro)
+        with precision.autocast():
+            if augment is None:
+                new_logp, entropy, new_values = policy.score_actions(obs, actions)
+            else:
+                aug_obs = augment.augment_obs(obs, draws[offset:stop])
+                new_logp, entropy, new_values, dist, aug_dist, aug_values = \
+                    policy.score_actions_augmented(obs, aug_obs, actions)
+        loss, stats = ppo_loss(new_logp, batch["logp"], advantages[offset:stop].to(setup.device),
+                               new_values, batch["values"], batch["returns"], entropy, cfg.clip_coef,
+                               cfg.clip_value, cfg.value_coef, cfg.entropy_coef)
+        if augment is not None:
+            reg, reg_stats = drac_loss(dist, new_values, aug_dist, aug_values)
+            loss = loss + cfg.drac_coef * reg
+            stats.update(reg_stats)
+        loss = loss.sum() / n  # the minibatch mean, split over micro-batches
+        (precision.scaler.scale(loss) if precision.scaler else loss).backward()
+        for k, v in stats.items():
+            sums[k] = sums.get(k, 0.0) + v.sum().float()
+        offset = stop
+    if augment is not None:
+        augment.generator.set_state(rng_after)
+    return {k: v / n for k, v in sums.items()}
+
+
+def reduced_minibatch_gradient(policy: ActorCritic, optimizer: torch.optim.Optimizer,
+                               buffer: RolloutBuffer, mb: torch.Tensor, advantages: torch.Tensor,
+                               setup: UpdateSetup) -> dict[str, float]:
+    """The minibatch's gradient in ``.grad`` and its statistics, averaged over the ranks when
+    ``setup.across_ranks``; backs off on out-of-memory (on every rank at once)."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    names = STATS + (DRAC_STATS if setup.ppo.drac_coef and policy.augment is not None else ())
+
+    def attempt() -> dict[str, float]:
+        optimizer.zero_grad(set_to_none=True)
+        try:
+            means = minibatch_gradient(policy, buffer, mb, advantages, setup)
+            failed = False
+        except Exception as exc:
+            if not (setup.across_ranks and is_oom(exc)):
+                raise
+            optimizer.zero_grad(set_to_none=True)  # this rank's part is void; the others must know
+            means, failed = {k: torch.zeros(()) for k in names}, True
+        if not setup.across_ranks:
+            return {k: float(v) for k, v in means.items()}
+        averaged, anyone_failed = distributed.reduce_minibatch(params, means, failed)
+        if anyone_failed:
+            raise PeerOutOfMemory("out of memory on at least one rank in this minibatch")
+        return averaged
+
+    return with_oom_backoff(attempt, setup.sizes, "micro",
+                            cleanup=lambda: optimizer.zero_grad(set_to_none=True))
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
+                   setup: UpdateSetup) -> float:
+    """Unscale (fp16), clip, step; a non-finite gradient norm skips the step. Returns the norm."""
+    scaler = setup.precision.scaler
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = float(nn.utils.clip_grad_norm_(params, setup.ppo.max_grad_norm))
+    if not math.isfinite(grad_norm):  # never let a NaN/inf step into the weights
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        if setup.before_step is not None:
+            setup.before_step(optimizer)
+        if scaler is not None:
+            scaler.step(optimizer)
+        else:
+            optimizer.step()
+    if scaler is not None:
+        scaler.update()  # also after a skip: inf gradients are how fp16's scale calibrates
+    return grad_norm
+
 
 def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: RolloutBuffer,
-           cfg: PPOConfig, micro_batch_size: int | MemorySizes, infer_chunk_size: int | None,
-           device: torch.device, precision: Precision, generator: torch.Generator,
-           last_obs: Obs | None = None, before_step=None, ddp: nn.Module | None = None) -> UpdateResult:
-    """``cfg.num_epochs`` passes over the buffer in minibatches, each accumulated over micro-batches.
-
-    ``before_step(optimizer)`` runs before every optimizer step (e.g. to freeze
-    the encoder); ``last_obs`` is needed only with ``cfg.recompute_advantages``.
-    Given :class:`MemorySizes` (then ``infer_chunk_size`` is ignored), an
-    out-of-memory error clears the partial gradients, halves ``sizes.micro``
-    and retries the same minibatch.
-
-    ``ddp``: DistributedDataParallel over ``Evaluate(policy)``, when every rank runs this
-    update on its own rollout. A minibatch is then ``cfg.minibatch_size`` samples of each
-    rank; its gradient is averaged over the ranks, its advantages normalised and its
-    statistics (approx-KL for early stopping too) taken over all of them, so every rank
-    steps, skips or stops alike.
-    """
-    sizes = (micro_batch_size if isinstance(micro_batch_size, MemorySizes)
-             else MemorySizes(int(micro_batch_size), int(infer_chunk_size or 1024)))
+           setup: UpdateSetup) -> UpdateResult:
+    """``ppo.num_epochs`` passes over the buffer in minibatches, each accumulated over micro-batches,
+    clipped and stepped once. With ``ppo.target_kl``, a minibatch whose approx-KL exceeds 1.5x the
+    target is not stepped and the update stops (Stable-Baselines3's rule)."""
+    cfg = setup.ppo
     params = [p for p in policy.parameters() if p.requires_grad]
-    totals: dict[str, float] = {}
-    steps = skipped = trailing = 0
-    early_stopped = False
+    result, totals = UpdateResult(), {}
     for epoch in range(cfg.num_epochs):
         if cfg.recompute_advantages and epoch > 0:
-            recompute_advantages(policy, buffer, last_obs, cfg, sizes, device, precision)
+            recompute_advantages(policy, buffer, setup)
         advantages = buffer.flat(buffer.advantages)
-        for mb in minibatches(buffer.size, cfg.minibatch_size, generator):
-            adv = advantages[mb]
-            if cfg.norm_adv:
-                adv = normalize_advantages(adv, ddp)
-            while True:
+        for mb in minibatches(buffer.size, cfg.minibatch_size, setup.generator):
+            adv = normalize_advantages(advantages[mb], setup.across_ranks) if cfg.norm_adv else advantages[mb]
+            means = reduced_minibatch_gradient(policy, optimizer, buffer, mb, adv, setup)
+            if cfg.target_kl and means["approx_kl"] > 1.5 * cfg.target_kl:
                 optimizer.zero_grad(set_to_none=True)
-                try:
-                    means = minibatch_gradient(policy, buffer, mb, adv, cfg, sizes.micro, device, precision, ddp)
-                    break
-                except Exception as exc:  # noqa: BLE001  re-raised unless it is an OOM
-                    optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
-                    sizes.halve("micro", exc)
-            mb_stats = ({k: float(v) for k, v in means.items()} if ddp is None
-                        else distributed.mean_over_ranks(means))  # same size on every rank: the global mean
-            if cfg.target_kl and mb_stats["approx_kl"] > 1.5 * cfg.target_kl:
-                optimizer.zero_grad(set_to_none=True)
-                early_stopped = True  # SB3's rule: this minibatch's step is not taken
-                totals["stop_kl"] = mb_stats["approx_kl"]
-                break
-            if precision.scaler:
-                precision.scaler.unscale_(optimizer)
-            grad_norm = nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            if not torch.isfinite(grad_norm):
-                skipped += 1  # never let a NaN/inf step into the weights
-                loss_finite = all(math.isfinite(v) for v in mb_stats.values())
-                if precision.scaler is None or not loss_finite:
-                    trailing += 1  # with fp16, inf gradients alone are the scaler's calibration
-                optimizer.zero_grad(set_to_none=True)
-                if precision.scaler:
-                    precision.scaler.update()
+                result.stop_kl = means["approx_kl"]
+                return _averaged(result, totals)
+            grad_norm = optimizer_step(optimizer, params, setup)
+            if not math.isfinite(grad_norm):
+                result.skipped_steps += 1
+                if setup.precision.scaler is None or not all(map(math.isfinite, means.values())):
+                    result.trailing_skips += 1  # with fp16, inf gradients alone are the scaler's calibration
                 continue
-            if before_step is not None:
-                before_step(optimizer)
-            if precision.scaler:
-                precision.scaler.step(optimizer)
-                precision.scaler.update()
-            else:
-                optimizer.step()
-            steps += 1
-            trailing = 0
-            mb_stats["grad_norm"] = float(grad_norm)
-            _accumulate(totals, mb_stats)
-        if early_stopped:
-            break
-    count = totals.pop("_count", 1.0) or 1.0
-    stop_kl = totals.pop("stop_kl", None)
-    stats = {k: v / count for k, v in totals.items()}
-    if stop_kl is not None:
-        stats["stop_kl"] = stop_kl
-    return UpdateResult(stats, steps, skipped, early_stopped, trailing)
+            result.optimizer_steps += 1
+            result.trailing_skips = 0
+            for k, v in {**means, "grad_norm": grad_norm}.items():
+                totals[k] = totals.get(k, 0.0) + v
+    return _averaged(result, totals)
 
 
-def _accumulate(totals: dict[str, float], stats: dict[str, float]) -> None:
-    for k, v in stats.items():
-        totals[k] = totals.get(k, 0.0) + v
-    totals["_count"] = totals.get("_count", 0.0) + 1
+def _averaged(result: UpdateResult, totals: dict[str, float]) -> UpdateResult:
+    for k, v in totals.items():
+        setattr(result, k, v / result.optimizer_steps)
+    return result

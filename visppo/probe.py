@@ -2,7 +2,7 @@
 
 ``probe(cfg, budget)`` runs the config's real update step (encoder + actor +
 critic forward, PPO loss, backward: :func:`visppo.ppo.minibatch_gradient`) at a
-micro-batch size, and its real no-grad pass (:func:`visppo.ppo.score`) at a
+micro-batch size, and its real no-grad pass (:func:`visppo.ppo.infer`) at a
 chunk size, measures the peak, and searches upward (doubling) then by
 bisection for the largest sizes whose peak stays under ``budget * (1 - margin)``.
 
@@ -47,11 +47,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 
 from visppo.buffer import RolloutBuffer
+from visppo.builders import build_policy
 from visppo.config import Config, ConfigError, parse_bytes
+from visppo.envs import make_env
 from visppo.memory import (
     LiveBytes,
+    cpu_allocator_peak,
     cuda_block_size,
     format_bytes,
     is_oom,
@@ -59,42 +63,23 @@ from visppo.memory import (
     peak_bytes,
 )
 from visppo.policy import ActorCritic
+from visppo.ppo import MemorySizes, UpdateSetup, infer, minibatch_gradient
+from visppo.precision import Precision, autocast_dtype
 
 # --------------------------------------------------------------------------- the training code the probe runs
-# Every name the probe takes from other visppo modules is used here only (some move in issue 15).
-
-
-def _build_policy(cfg: Config, obs_space, action_space, device: torch.device) -> ActorCritic:
-    from visppo.train import build_policy
-
-    return build_policy(cfg, obs_space, action_space, device, load_weights=False)  # values do not matter
-
-
-def _precision(device: torch.device, dtype: torch.dtype | None):
-    from visppo.ppo import Precision
-
-    return Precision(device, dtype)
-
-
-def _cpu_has_fast_bf16() -> bool:
-    from visppo.ppo import cpu_has_fast_bf16
-
-    return cpu_has_fast_bf16()
 
 
 def _backward_pass(policy: ActorCritic, buf: RolloutBuffer, index: torch.Tensor, adv: torch.Tensor,
-                   cfg: Config, device: torch.device, precision) -> None:
+                   cfg: Config, device: torch.device, precision: Precision) -> None:
     """One micro-batch of the real update: forward, PPO loss, backward into ``.grad``."""
-    from visppo.ppo import minibatch_gradient
+    setup = UpdateSetup(cfg.ppo, MemorySizes(len(index), len(index)), device, precision)
+    minibatch_gradient(policy, buf, index, adv, setup)
 
-    minibatch_gradient(policy, buf, index, adv, cfg.ppo, len(index), device, precision)
 
-
-def _no_grad_pass(policy: ActorCritic, buf: RolloutBuffer, size: int, device: torch.device, precision) -> None:
+def _no_grad_pass(policy: ActorCritic, buf: RolloutBuffer, size: int, device: torch.device,
+                  precision: Precision) -> None:
     """One chunk of the real no-grad pass (values and log-probs of ``size`` samples)."""
-    from visppo.ppo import score
-
-    score(policy, {k: buf.flat(v) for k, v in buf.obs.items()}, buf.flat(buf.actions), size, device, precision)
+    infer(policy, buf.flat_obs(), buf.flat(buf.actions), MemorySizes(0, size), device, precision)
 
 
 # --------------------------------------------------------------------------- what a GPU adds
@@ -121,8 +106,9 @@ SOURCES = {
     "activations": "measured: live bytes of the tensors one pass creates (fake or real tensors), beyond the "
                    "gradients; later micro-batches include the temporary gradient before accumulation, and "
                    "checkpointed blocks their recomputation",
-    "conv_workspace": "modelled (CPU target): im2col buffers inside PyTorch's slow CPU convolution, the "
-                      "backend it picks for bf16; a dispatch-level meter cannot see them",
+    "conv_workspace": "measured (CPU target): what each convolution allocates and frees inside the op beyond "
+                      "its outputs (oneDNN reorders and reduction buffers, im2col columns), run once for real "
+                      "at the pass's shapes and thread count, cached (KernelWorkspace)",
     "cuda_context": "context + lazily loaded kernels: measured once per GPU name (cached), else a default",
     "cublas_workspace": "PyTorch's default per-stream cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG if set)",
     "cudnn_workspace": "assumed: at most the largest convolution output of the pass (cuDNN's heuristic "
@@ -186,67 +172,74 @@ def cublas_workspace_bytes(device: torch.device) -> tuple[int, str]:
     return CUBLAS_WORKSPACE["sm90+"], "PyTorch's default for Hopper and later (the larger one; no GPU here)"
 
 
+class KernelWorkspace:
+    """Bytes a CPU convolution allocates and frees inside the op, beyond its outputs: oneDNN's
+    reordered weights and per-thread weight-gradient reduction buffers (measured on a 2-thread
+    AVX-512 CPU: 2x to 8x a 3x3 layer's weights in backward, depending on its spatial size and
+    the thread count; nothing for a batch of one), the slow path's im2col columns (bf16).
+    A dispatch-level meter cannot see them, and oneDNN's choice of algorithm is not worth
+    re-deriving, so each convolution is run once for real, alone, at the pass's shapes, strides,
+    dtypes and thread count, and the allocator's peak inside it is measured
+    (:func:`visppo.memory.cpu_allocator_peak`); cached per such signature."""
+
+    OPS = frozenset({"aten.convolution", "aten._convolution", "aten.conv2d", "aten.convolution_backward"})
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple, int] = {}
+
+    def __call__(self, func, args: tuple, kwargs: dict) -> int:
+        if str(func.overloadpacket) not in self.OPS:
+            return 0
+        key = (str(func), torch.get_num_threads(), *(_signature(a) for a in tree_leaves((args, kwargs))))
+        if key not in self.cache:
+            self.cache[key] = self._measure(func, args, kwargs)
+        return self.cache[key]
+
+    @staticmethod
+    def _measure(func, args: tuple, kwargs: dict) -> int:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # real tensors, outside the fake mode and the meter
+            real_args, real_kwargs = tree_map(_real_like, (args, kwargs))
+            peak, out = cpu_allocator_peak(lambda: func(*real_args, **real_kwargs))
+        outputs = sum(t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return max(0, peak - outputs)
+
+
+def _signature(value) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), tuple(value.stride()), value.dtype)
+    return ("V", repr(value))
+
+
+def _real_like(value):
+    """A zero-filled CPU tensor of ``value``'s shape, strides and dtype (fake or real); others as they are."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype).zero_()
+
+
 class _StepMeter(LiveBytes):
-    """Live bytes, plus two models of memory that convolution kernels take inside the op, where a
-    dispatch mode cannot see it: the largest convolution output (the cuDNN workspace model, for a
-    CUDA target), and for a CPU target the im2col buffers of PyTorch's slow CPU convolution (the
-    backend it picks for bf16 and for some fp32 shapes): ``workspace_peak`` is the peak with them."""
+    """Live bytes, plus what convolution kernels take inside the op, where a dispatch mode cannot
+    see it: the largest convolution output (the cuDNN workspace model, for a CUDA target), and for
+    a CPU target the measured :class:`KernelWorkspace`: ``workspace_peak`` is the peak with it."""
 
-    _CONV = ("aten.convolution", "aten._convolution", "aten.conv2d", "aten.convolution_backward")
-
-    def __init__(self, block_size=None, cpu_conv_workspace: bool = False):
+    def __init__(self, block_size=None, kernel_workspace: KernelWorkspace | None = None):
         super().__init__(block_size)
         self.largest_conv = 0
-        self.cpu_conv_workspace = cpu_conv_workspace
+        self.kernel_workspace = kernel_workspace
         self.workspace_peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        name = str(func.overloadpacket)
-        if name in self._CONV:
-            sizes = [t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(out)
-                     if isinstance(t, torch.Tensor)]
+        if str(func.overloadpacket) in KernelWorkspace.OPS:
+            sizes = [t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             self.largest_conv = max([self.largest_conv, *sizes])
-            if self.cpu_conv_workspace:
-                ws = _slow_conv_workspace(name, args)
-                self.workspace_peak = max(self.workspace_peak, self.current + ws)
+            if self.kernel_workspace is not None:  # the outputs are counted: add what the op held beyond them
+                hidden = self.kernel_workspace(func, args, kwargs or {})
+                self.workspace_peak = max(self.workspace_peak, self.current + hidden)
         self.workspace_peak = max(self.workspace_peak, self.peak)
         return out
-
-
-def _slow_conv_workspace(name: str, args) -> int:
-    """Bytes PyTorch's slow CPU convolution (``Slow2d``) allocates and frees inside one op: the
-    im2col columns ``N x (C/groups * kh * kw) x (oH * oW)`` (none for a 1x1, stride-1, unpadded
-    kernel); with groups, the per-group outputs before their concatenation; in backward, also a
-    contiguous copy of the output gradient. 0 for any other backend (oneDNN, ...).
-    Calibrated against the CPU allocator (``tools/validate_probe.py``)."""
-    if name == "aten.conv2d":  # what inference mode dispatches, before its decomposition
-        full = [*args, *(None, None, None, 1, 0, 1, 1)[len(args):]]
-        x, w, _, stride, padding, dilation, groups = full[:7]
-        if isinstance(padding, str):
-            return 0
-        stride, padding, dilation = ([v, v] if isinstance(v, int) else list(v) for v in (stride, padding, dilation))
-        transposed, out_pad = False, [0, 0]
-    elif name == "aten.convolution_backward":
-        grad_out, x, w, _, stride, padding, dilation, transposed, out_pad, groups = args[:10]
-    else:
-        x, w, _, stride, padding, dilation, transposed, out_pad, groups = args[:9]
-    try:
-        backend = torch._C._select_conv_backend(x, w, None, list(stride), list(padding), list(dilation),
-                                                bool(transposed), list(out_pad), int(groups), None)
-    except (AttributeError, RuntimeError, TypeError):  # a private helper: absent or changed in this torch
-        return 0
-    if backend != torch._C._ConvBackend.Slow2d or w.dim() != 4:
-        return 0
-    n, c = x.shape[0], x.shape[1]
-    kh, kw = w.shape[-2:]
-    oh = (x.shape[2] + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    ow = (x.shape[3] + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    one_by_one = kh == kw == 1 and all(v == 1 for v in stride) and not any(padding)
-    cols = 0 if one_by_one else n * (c // groups) * kh * kw * oh * ow * x.element_size()
-    out = n * w.shape[0] * oh * ow * x.element_size()
-    ws = cols + (out if groups > 1 else 0)
-    return ws + out if name == "aten.convolution_backward" else ws
 
 
 # --------------------------------------------------------------------------- the probe
@@ -280,17 +273,6 @@ class ProbeResult:
         return asdict(self)
 
 
-def target_dtype(amp: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype the target device would use (without needing the device)."""
-    if amp == "auto":
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                return torch.bfloat16  # no driver here: assume a GPU of the last years (Ampere+)
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if _cpu_has_fast_bf16() else None
-    return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
-
-
 def _fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -314,18 +296,17 @@ class Prober:
     """Holds the model once and measures one size at a time."""
 
     def __init__(self, cfg: Config, device: torch.device, mode: str, world_size: int = 1):
-        from visppo.envs import make_env
-
         env = make_env(cfg)
         self.obs_space, self.action_space = env.observation_space, env.action_space
         env.close()
         self.cfg, self.device, self.mode = cfg, device, mode
         self.run_device = device if mode == "real" else torch.device("cpu")
-        self.dtype = target_dtype(cfg.train.amp, device)
+        self.dtype = autocast_dtype(cfg.train.amp, device)
         # fake mode: one FakeTensorMode holds the model too, so that every tensor of a pass is its fake
         # (nothing allocated, whatever the model's size) and views share their base's fake storage
         self._fake = _fake_mode() if mode == "fake" else None
-        self.policy: ActorCritic = _build_policy(cfg, self.obs_space, self.action_space, self.run_device)
+        self.policy: ActorCritic = build_policy(cfg, self.obs_space, self.action_space, self.run_device,
+                                                load_weights=False)  # values do not matter
         if self._fake is not None:
             _to_fake(self.policy, self._fake)
         self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
@@ -343,6 +324,7 @@ class Prober:
             self.static["ddp_buckets"] = sum(grads)
             self.sources["ddp_buckets"] = SOURCES["ddp_buckets"] + f" (world_size {world_size})"
         self.cuda = device.type == "cuda"
+        self.kernel_workspace = KernelWorkspace()
         if self.cuda:
             self.static["cuda_context"], src = cuda_context_bytes(device)
             self.sources["cuda_context"] = f"{SOURCES['cuda_context']}: {src}"
@@ -371,8 +353,9 @@ class Prober:
     def _pass(self, kind: str, size: int) -> dict[str, int]:
         accumulating = kind == "micro_batch" and size < self.cfg.ppo.minibatch_size
         fake = self._fake is not None
-        meter = _StepMeter(cuda_block_size if self.cuda else None, cpu_conv_workspace=not self.cuda)
-        precision = _precision(self.run_device, self.dtype)
+        meter = _StepMeter(cuda_block_size if self.cuda else None,
+                           None if self.cuda else self.kernel_workspace)
+        precision = Precision(self.run_device, self.dtype)
         with warnings.catch_warnings(), (self._fake or nullcontext()):
             warnings.simplefilter("ignore")
             # what exists before the pass: the host buffer (its gathered samples are the pass's),

@@ -14,7 +14,6 @@ a terminated one bootstraps with 0.
 from __future__ import annotations
 
 import copy
-from collections import deque
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ import numpy as np
 import torch
 
 from visppo.buffer import RolloutBuffer
-from visppo.envs import AlternatingHalves, worker_errors
+from visppo.envs import worker_errors
 from visppo.policy import ActorCritic
 
 
@@ -75,101 +74,62 @@ def _stack_final(final_obs: np.ndarray, index: np.ndarray) -> dict[str, np.ndarr
     return {k: np.stack([o[k] for o in items]) for k in items[0]}
 
 
-class _Group:
-    """Envs stepped together: all of them, or one half of an :class:`AlternatingHalves`."""
-
-    def __init__(self, envs: gym.vector.VectorEnv, part: slice, whole: gym.vector.VectorEnv, env_id: str):
-        self.envs, self.part, self.whole, self.env_id = envs, part, whole, env_id
-        self.actions: np.ndarray | None = None
-
-    def send(self, actions: np.ndarray) -> None:
-        if isinstance(self.envs, gym.vector.AsyncVectorEnv):
-            with worker_errors(self.whole, self.env_id):
-                self.envs.step_async(actions)
-        else:
-            self.actions = actions
-
-    def receive(self) -> tuple:
-        with worker_errors(self.whole, self.env_id):
-            if isinstance(self.envs, gym.vector.AsyncVectorEnv):
-                return self.envs.step_wait()
-            return self.envs.step(self.actions)
-
-
 def collect(envs: gym.vector.VectorEnv, policy: ActorCritic, buffer: RolloutBuffer,
             state: RolloutState, device: torch.device,
             autocast: AbstractContextManager | None = None) -> list[dict[str, float]]:
     """Fill ``buffer`` with ``buffer.T`` steps of every env; returns the episodes that ended.
 
     Each ended episode is ``{"return", "length", "success"}`` (success is NaN
-    when the env reports no ``is_success``). With :class:`AlternatingHalves`
-    (``rollout.overlap``) the halves are pipelined: the policy acts on one half
-    while the other half's workers step and render, and each env still sees
-    observation -> action -> step in order.
+    when the env reports no ``is_success``). ``buffer.last_obs`` gets the
+    observation after the last step, ``buffer.truncations`` the final
+    observations of episodes cut by a time limit.
     """
     autocast = autocast or nullcontext()
     space = envs.single_action_space
-    low = high = None
-    if isinstance(space, gym.spaces.Box):
-        low, high = space.low, space.high
+    low, high = (space.low, space.high) if isinstance(space, gym.spaces.Box) else (None, None)
     episodes: list[dict[str, float]] = []
     env_id = getattr(envs, "env_id", "?")  # set by make_vector_env, for error messages
-    if isinstance(envs, AlternatingHalves):
-        groups = [_Group(h, part, envs, env_id) for h, part in zip(envs.halves, envs.slices)]
-    else:
-        groups = [_Group(envs, slice(0, envs.num_envs), envs, env_id)]
-
-    def act(t: int, part: slice) -> np.ndarray:
-        obs = {key: arr[part] for key, arr in state.obs.items()}
+    buffer.truncations = []
+    for t in range(buffer.T):
         with torch.inference_mode(), autocast:
-            action, logp, value = policy.act(to_torch(obs, device))
-        for key, arr in obs.items():
-            buffer.obs[key][t, part].copy_(torch.from_numpy(arr))
+            action, logp, value = policy.act(to_torch(state.obs, device))
+        for key, arr in state.obs.items():
+            buffer.obs[key][t].copy_(torch.from_numpy(arr))
         action = action.cpu()
-        buffer.actions[t, part] = action
-        buffer.logp[t, part] = logp.float().cpu()
-        buffer.values[t, part] = value.float().cpu()
-        env_action = action.numpy()
-        if low is not None:
-            env_action = np.clip(env_action, low, high)  # the stored action stays unclipped
-        return env_action
-
-    def record(t: int, part: slice, result: tuple) -> None:
-        obs, reward, terminated, truncated, info = result
-        buffer.rewards[t, part] = torch.as_tensor(reward, dtype=torch.float32)
-        buffer.terminated[t, part] = torch.as_tensor(terminated)
-        buffer.truncated[t, part] = torch.as_tensor(truncated)
-        buffer.final_values[t, part] = 0.0
+        buffer.actions[t] = action
+        buffer.logp[t] = logp.float().cpu()
+        buffer.values[t] = value.float().cpu()
+        env_action = action.numpy() if low is None else np.clip(action.numpy(), low, high)  # stored unclipped
+        with worker_errors(envs, env_id):
+            obs, reward, terminated, truncated, info = envs.step(env_action)
+        buffer.rewards[t] = torch.as_tensor(reward, dtype=torch.float32)
+        buffer.terminated[t] = torch.as_tensor(terminated)
+        buffer.truncated[t] = torch.as_tensor(truncated)
+        buffer.final_values[t] = 0.0
         bootstrap = np.flatnonzero(truncated & ~terminated)
         if bootstrap.size:
-            final = to_torch(_stack_final(info["final_obs"], bootstrap), device)
+            final = {k: torch.from_numpy(v) for k, v in _stack_final(info["final_obs"], bootstrap).items()}
             with torch.inference_mode(), autocast:
-                buffer.final_values[t, torch.as_tensor(part.start + bootstrap)] = policy.value(final).float().cpu()
-        returns, lengths = state.episode_return[part], state.episode_length[part]  # views: updated in place
-        returns += reward
-        lengths += 1
-        for i in np.flatnonzero(terminated | truncated):
-            success = float("nan")
-            final_info = info.get("final_info", {})
-            if "is_success" in final_info and final_info.get("_is_success", np.ones(1, bool))[i]:
-                success = float(final_info["is_success"][i])
-            episodes.append({"return": float(returns[i]), "length": int(lengths[i]), "success": success})
-            returns[i] = 0.0
-            lengths[i] = 0
-        for key, arr in obs.items():
-            state.obs[key][part] = arr
+                buffer.final_values[t, torch.as_tensor(bootstrap)] = policy.value(to_torch(final, device)).float().cpu()
+            buffer.truncations.append((torch.as_tensor(t * buffer.N + bootstrap), final))
+        episodes += _ended_episodes(state, reward, terminated | truncated, info)
+        state.obs = obs
+    buffer.last_obs = {k: torch.as_tensor(v).clone() for k, v in state.obs.items()}
+    return episodes
 
-    # Pipeline: a group's step stays in flight until the next group has acted and sent its own,
-    # so with two halves one renders while the policy acts on the other; one group waits at once.
-    in_flight: deque[tuple[int, _Group]] = deque()
-    for t in range(buffer.T):
-        for group in groups:
-            group.send(act(t, group.part))
-            in_flight.append((t, group))
-            while len(in_flight) >= len(groups):
-                step, done = in_flight.popleft()
-                record(step, done.part, done.receive())
-    while in_flight:
-        step, done = in_flight.popleft()
-        record(step, done.part, done.receive())
+
+def _ended_episodes(state: RolloutState, reward: np.ndarray, ended: np.ndarray, info: dict) -> list[dict]:
+    """Add this step's reward to every env's running episode; return the episodes that ended."""
+    state.episode_return += reward
+    state.episode_length += 1
+    episodes = []
+    final_info = info.get("final_info", {})
+    for i in np.flatnonzero(ended):
+        success = float("nan")
+        if "is_success" in final_info and final_info.get("_is_success", np.ones(1, bool))[i]:
+            success = float(final_info["is_success"][i])
+        episodes.append({"return": float(state.episode_return[i]), "length": int(state.episode_length[i]),
+                         "success": success})
+        state.episode_return[i] = 0.0
+        state.episode_length[i] = 0
     return episodes

@@ -1,0 +1,44 @@
+"""One place decides the precision: update, acting, loss scaling."""
+
+import warnings
+
+import pytest
+import torch
+
+from visppo.config import ConfigError, TrainConfig
+from visppo.precision import acting_precision, autocast_dtype, for_run, resolve_precision
+
+CPU = torch.device("cpu")
+
+
+def test_resolve_precision_on_the_cpu():
+    assert resolve_precision("off", CPU).dtype is None
+    assert resolve_precision("bf16", CPU).dtype == torch.bfloat16
+    assert resolve_precision("auto", CPU).dtype in (None, torch.bfloat16)
+    assert resolve_precision("bf16", CPU).scaler is None
+    with pytest.raises(ConfigError, match="fp16 needs a CUDA device"):
+        resolve_precision("fp16", CPU)
+
+
+def test_acting_on_the_train_device_uses_the_update_precision():
+    run = for_run(TrainConfig(amp="bf16"), CPU, CPU)
+    assert run.acting is run.update and not run.recompute_logp_old
+
+
+def test_fp16_training_with_cpu_acting_recomputes_logp_old_in_the_update_precision():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GradScaler on a machine without CUDA
+        run = for_run(TrainConfig(amp="fp16"), torch.device("cuda"), CPU)
+    assert run.update.dtype == torch.float16
+    assert run.acting.dtype == autocast_dtype("auto", CPU) and run.acting.scaler is None
+    assert run.recompute_logp_old  # logp_old must come from the function the ratio divides by
+
+
+def test_acting_precision_never_asks_for_fp16_off_cuda():
+    assert acting_precision("fp16", CPU).dtype == autocast_dtype("auto", CPU)
+    assert acting_precision("off", CPU).dtype is None
+
+
+def test_channels_last_is_decided_with_the_precision():
+    assert for_run(TrainConfig(channels_last=False), CPU, CPU).channels_last is False
+    assert for_run(TrainConfig(), CPU, CPU).channels_last is True

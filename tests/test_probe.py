@@ -48,7 +48,9 @@ def test_cuda_target_in_fake_mode_adds_named_gpu_lines_and_uses_bf16():
     if not torch.cuda.is_available():
         assert b["cuda_context"] == CUDA_CONTEXT_DEFAULT
     assert b["cublas_workspace"] > 0 and b["cudnn_workspace"] > 0 and b["allocator_rounding"] > 0
-    assert b["ddp_buckets"] == b["gradients"]  # world_size 2: one bucket copy of the gradients
+    # world_size 2: the all-reduce's flat fp32 gradient copy, beyond what the pass's transients already hold
+    flat = 4 * sum(p.numel() for p in Prober(cfg, torch.device("cuda"), "fake").trainable)
+    assert b["allreduce_buffer"] == max(0, flat - b["activations"] - b["cudnn_workspace"])
     assert "conv_workspace" not in b  # the CPU kernel's model does not apply to a GPU
     assert set(b) <= set(result.sources)
     assert result.micro_batch_size == cfg.ppo.minibatch_size  # tiny model: everything fits
@@ -225,3 +227,56 @@ def test_cuda_block_size_rounds_like_the_caching_allocator():
     assert cuda_block_size(1) == 512 and cuda_block_size(512) == 512 and cuda_block_size(513) == 1024
     assert cuda_block_size(5 * 2**20 + 1) == 5 * 2**20 + 512  # carved from a shared 20 MiB segment
     assert cuda_block_size(11 * 2**20) == 12 * 2**20  # its own segment, in 2 MiB steps
+
+
+# --------------------------------------------------------------------------- what kernels hold inside an op
+
+
+def _conv_args(dtype: torch.dtype) -> tuple:
+    x = torch.zeros(4, 16, 32, 32, dtype=dtype)
+    w = torch.zeros(32, 16, 3, 3, dtype=dtype)
+    return (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+
+
+def test_kernel_workspace_holds_the_im2col_columns_of_the_slow_cpu_convolution():
+    """bf16 on the CPU runs PyTorch's slow convolution, whose im2col columns (N x C*kh*kw x oH*oW)
+    exist only inside the op: a dispatch-level meter misses them, the measurement must not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from visppo.probe import KernelWorkspace
+
+    args = _conv_args(torch.bfloat16)
+    backend = torch._C._select_conv_backend(*args[:2], None, *args[3:], None)
+    if backend != torch._C._ConvBackend.Slow2d:
+        pytest.skip(f"this CPU runs bf16 convolutions with {backend}")
+    conv = torch.ops.aten.convolution.default
+    columns = 4 * (16 * 3 * 3) * (32 * 32) * 2
+    workspace = KernelWorkspace()
+    assert workspace(conv, args, {}) == columns
+    with FakeTensorMode() as mode:  # fakes of the same shapes: the same figure, measured on real tensors
+        fake_args = (mode.from_tensor(args[0]), mode.from_tensor(args[1]), *args[2:])
+        assert KernelWorkspace()(conv, fake_args, {}) == columns
+    assert workspace(torch.ops.aten.relu.default, (args[0],), {}) == 0  # only convolutions are measured
+
+
+def test_kernel_workspace_is_measured_once_per_signature(monkeypatch):
+    from visppo.probe import KernelWorkspace
+
+    workspace, calls = KernelWorkspace(), []
+    monkeypatch.setattr(KernelWorkspace, "_measure", staticmethod(lambda *a: calls.append(a) or 7))
+    conv = torch.ops.aten.convolution.default
+    assert workspace(conv, _conv_args(torch.float32), {}) == workspace(conv, _conv_args(torch.float32), {}) == 7
+    assert len(calls) == 1
+    workspace(conv, _conv_args(torch.bfloat16), {})  # another dtype: another kernel, measured again
+    assert len(calls) == 2
+
+
+def test_conv_workspace_line_adds_what_the_kernels_hold_at_the_peak():
+    """A CPU pass's peak is the live tensors' plus what a convolution holds inside at that moment:
+    the conv_workspace line is positive for a convolutional encoder, and the line ordering keeps
+    activations the dispatch meter's own peak."""
+    cfg = load_config(None, tiny_overrides(**{"env.image_size": 48, "train.amp": "bf16"}))
+    prober = Prober(cfg, torch.device("cpu"), "fake")
+    lines = prober._pass("infer_chunk", 16)
+    assert lines["conv_workspace"] > 0
+    assert lines["activations"] == prober._pass("infer_chunk", 16)["activations"]  # deterministic

@@ -31,7 +31,9 @@ def test_oracle_peak_follows_allocator_events_in_time_order():
 
 # (encoder, image, amp, kind, size): a small grid for the default run (seconds each)
 QUICK_ROWS = [("nature", 64, "off", "micro_batch", 16), ("nature", 64, "off", "infer_chunk", 64),
-              ("nature", 64, "bf16", "infer_chunk", 64), ("mobilenet_v3_small", 48, "off", "micro_batch", 8)]
+              ("nature", 48, "bf16", "micro_batch", 8), ("nature", 64, "bf16", "infer_chunk", 64),
+              ("mobilenet_v3_small", 48, "off", "micro_batch", 8),
+              ("resnet18", 32, "off", "micro_batch", 4)]  # oneDNN's backward workspace: 27% of this row
 
 
 @pytest.mark.parametrize("encoder, image, amp, kind, size", QUICK_ROWS)
@@ -59,3 +61,30 @@ def test_cuda_mode_skips_cleanly_without_a_gpu(capsys):
     assert vp.main(["--device", "cuda", "--json", "unused.json"]) == 0
     assert "no CUDA device" in capsys.readouterr().err
     assert not Path("unused.json").exists()
+
+
+def test_split_gradient_check_of_the_headline_runs_the_real_minibatch_gradient(monkeypatch):
+    """The headline's gradient comparison (micro-batched vs unsplit) on the CPU: the same up to
+    float rounding, and a wrong split (a micro-batch dropped) is caught."""
+    from visppo.builders import build_policy
+    from visppo.config import load_config
+    from visppo.precision import Precision
+
+    cpu = torch.device("cpu")
+    cfg = load_config(None, vp.overrides("nature", 48, "off", 16, 32, "cpu"))
+    buf, obs_space, action_space = vp.make_buffer(cfg, cpu)
+    policy = build_policy(cfg, obs_space, action_space, cpu, load_weights=False)
+    assert vp._split_vs_unsplit(cfg, policy, buf, Precision(cpu), cpu, 4) < 1e-5
+    import visppo.ppo as ppo
+
+    real = ppo.micro_batches
+    monkeypatch.setattr(ppo, "micro_batches",
+                        lambda mb, size: list(real(mb, size))[:-1] if size < len(mb) else real(mb, size))
+    assert vp._split_vs_unsplit(cfg, policy, buf, Precision(cpu), cpu, 4) > 0.05
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("amp", vp.HEADLINE_AMPS)
+def test_headline_fits_an_8_gib_card(amp):
+    h = vp._child("cuda", "--headline-one", amp, 0)
+    assert h["passed"], vp.format_headline(h)

@@ -61,6 +61,7 @@ FULL_GRID = [
 QUICK_GRID = [  # the default test run's share: seconds, not minutes
     ("nature", 64, (16,), (64,)),
     ("mobilenet_v3_small", 48, (8,), ()),
+    ("resnet18", 32, (4,), ()),
 ]
 CUDA_GRID = [
     ("nature", 84, (64, 256), (1024,)),
@@ -100,13 +101,11 @@ def sizes_of(row: dict) -> tuple[int, int]:
 # --------------------------------------------------------------------------- the workload (real training code)
 
 
-def _workload(cfg, device: torch.device, kind: str, size: int, phase):
-    """Build what training builds and run it; ``phase(name)`` is a context manager around each part."""
+def make_buffer(cfg, device: torch.device):
+    """``(buffer, obs_space, action_space)``: a host rollout buffer of the config, random-filled
+    (pinned when the device is a GPU, as training makes it)."""
     from visppo.buffer import RolloutBuffer
-    from visppo.builders import build_optimizer, build_policy
     from visppo.envs import make_env
-    from visppo.ppo import MemorySizes, UpdateSetup, infer, update
-    from visppo.precision import resolve_precision
 
     env = make_env(cfg)
     obs_space, action_space = env.observation_space, env.action_space
@@ -120,8 +119,16 @@ def _workload(cfg, device: torch.device, kind: str, size: int, phase):
     for name in ("advantages", "returns", "values"):
         getattr(buf, name).copy_(torch.randn(buf.T, buf.N, generator=gen))
     buf.logp.copy_(-torch.rand(buf.T, buf.N, generator=gen))
-    flat = {k: buf.flat(v) for k, v in buf.obs.items()}
-    actions = buf.flat(buf.actions)
+    return buf, obs_space, action_space
+
+
+def _workload(cfg, device: torch.device, kind: str, size: int, phase):
+    """Build what training builds and run it; ``phase(name)`` is a context manager around each part."""
+    from visppo.builders import build_optimizer, build_policy
+    from visppo.ppo import MemorySizes, UpdateSetup, infer, update
+    from visppo.precision import resolve_precision
+
+    buf, obs_space, action_space = make_buffer(cfg, device)
     yield "ready"  # the buffer is made: measuring starts here
     with phase("build"):
         policy = build_policy(cfg, obs_space, action_space, device, load_weights=False)
@@ -133,7 +140,7 @@ def _workload(cfg, device: torch.device, kind: str, size: int, phase):
         update(policy, optimizer, buf, setup)
     if kind == "infer_chunk":
         with phase("score"):
-            infer(policy, flat, actions, MemorySizes(micro, size), device, precision)
+            infer(policy, buf.flat_obs(), buf.flat(buf.actions), MemorySizes(micro, size), device, precision)
     yield "done"
 
 
@@ -177,20 +184,102 @@ def peak_from_events(events, window: str | None = None) -> int:
     return peak
 
 
+def device_use(device: torch.device) -> dict:
+    """What the device holds for this process now: its whole use (``mem_get_info``: context,
+    kernels, cuBLAS/cuDNN and every segment the allocator reserved) and the allocator's own figures."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return {"device_used": total - free, "device_total": total,
+            "memory_reserved": torch.cuda.memory_reserved(device),
+            "max_memory_reserved": torch.cuda.max_memory_reserved(device),
+            "max_memory_allocated": torch.cuda.max_memory_allocated(device),
+            "device_name": torch.cuda.get_device_name(device)}
+
+
 def measure_cuda(cfg, kind: str, size: int) -> dict:
+    """The row's workload on the GPU, in a process that has not touched CUDA before. The measured
+    figure is the device's whole use at the allocator's peak: what ``mem_get_info`` shows at the end
+    (context included), less what the allocator holds then, plus its peak reservation. Run on a
+    GPU no other process uses (``device_used`` counts every process)."""
     from contextlib import nullcontext
 
     device = torch.device("cuda")
     work = _workload(cfg, device, kind, size, lambda name: nullcontext())
-    free0, total = torch.cuda.mem_get_info(device)
-    torch.cuda.reset_peak_memory_stats(device)
+    next(work)  # the host buffer; CUDA is initialised by the workload itself
     next(work)
-    torch.cuda.synchronize(device)
-    free1, _ = torch.cuda.mem_get_info(device)
-    return {"max_memory_allocated": torch.cuda.max_memory_allocated(device),
-            "max_memory_reserved": torch.cuda.max_memory_reserved(device),
-            "device_used_delta": free0 - free1, "device_total": total,
-            "device_name": torch.cuda.get_device_name(device)}
+    m = device_use(device)
+    m["measured_bytes"] = m["device_used"] - m["memory_reserved"] + m["max_memory_reserved"]
+    return m
+
+
+# --------------------------------------------------------------------------- the headline (CUDA)
+
+HEADLINE_BUDGET = 8 * 2**30
+HEADLINE_AMPS = ("bf16", "fp16")
+
+
+def headline(amp: str) -> dict:
+    """Under an 8 GiB card emulated on a bigger GPU, the probe's sizes for ResNet-18 @224 x 3
+    frames, minibatch 256 run a full update (two minibatches, two epochs, then the chunked
+    no-grad pass) without running out of memory, and the micro-batched minibatch gradient
+    equals the unsplit one (computed afterwards with the cap lifted)."""
+    import warnings
+
+    from visppo.config import load_config
+    from visppo.probe import cuda_context_bytes, probe
+
+    device = torch.device("cuda")
+    cfg = load_config(None, overrides("resnet18", 224, amp, 256, 512, "cuda"))
+    rec = probe(cfg, HEADLINE_BUDGET, "cuda", mode="fake")
+    context, _ = cuda_context_bytes(device)  # a real 8 GiB card holds the context too: cap the allocator below
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction((HEADLINE_BUDGET - context) / total, device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sizes, policy, buf, precision = _headline_update(cfg, device, rec.micro_batch_size, rec.infer_chunk_size)
+    use = device_use(device)
+    torch.cuda.set_per_process_memory_fraction(1.0, device)
+    oom = [str(w.message) for w in caught if "out of memory" in str(w.message)]
+    rel = _split_vs_unsplit(cfg, policy, buf, precision, device, rec.micro_batch_size)
+    return {"amp": amp, "budget_bytes": HEADLINE_BUDGET, "cuda_context": context,
+            "micro_batch_size": rec.micro_batch_size, "infer_chunk_size": rec.infer_chunk_size,
+            "estimated_bytes": rec.peak_bytes, "sizes_after": [sizes.micro, sizes.chunk], "oom_warnings": oom,
+            "gradient_relative_difference": rel, **use,
+            "passed": not oom and [sizes.micro, sizes.chunk] == [rec.micro_batch_size, rec.infer_chunk_size]
+            and rel < 1e-2}
+
+
+def _headline_update(cfg, device: torch.device, micro: int, chunk: int):
+    """A full update and chunked no-grad pass at the given sizes; returns what it used."""
+    from visppo.builders import build_optimizer, build_policy
+    from visppo.ppo import MemorySizes, UpdateSetup, infer, update
+    from visppo.precision import resolve_precision
+
+    buf, obs_space, action_space = make_buffer(cfg, device)
+    policy = build_policy(cfg, obs_space, action_space, device, load_weights=False)
+    optimizer = build_optimizer(cfg, policy)
+    precision = resolve_precision(cfg.train.amp, device)
+    sizes = MemorySizes(micro, chunk)
+    update(policy, optimizer, buf, UpdateSetup(cfg.ppo, sizes, device, precision, torch.Generator().manual_seed(1)))
+    infer(policy, buf.flat_obs(), buf.flat(buf.actions), sizes, device, precision)
+    return sizes, policy, buf, precision
+
+
+def _split_vs_unsplit(cfg, policy, buf, precision, device: torch.device, micro: int) -> float:
+    """``|g_split - g_whole| / |g_whole|`` over every trainable parameter, for the first minibatch
+    (fp16: both scaled by the same GradScaler scale, which divides out of the ratio)."""
+    from visppo.ppo import MemorySizes, UpdateSetup, minibatch_gradient
+
+    mb = torch.arange(cfg.ppo.minibatch_size)
+    adv = buf.flat(buf.advantages)[mb]
+    grads = []
+    for size in (micro, cfg.ppo.minibatch_size):
+        policy.zero_grad(set_to_none=True)
+        minibatch_gradient(policy, buf, mb, adv, UpdateSetup(cfg.ppo, MemorySizes(size, size), device, precision))
+        grads.append(torch.cat([p.grad.float().flatten() for p in policy.parameters() if p.grad is not None]))
+    policy.zero_grad(set_to_none=True)
+    return float((grads[0] - grads[1]).norm() / grads[1].norm())
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -211,34 +300,36 @@ def run_row(row: dict, device: str) -> dict:
     cfg = load_config(None, overrides(row["encoder"], row["image"], row["amp"], minibatch, rollout, device))
     out = {"config": f"{row['encoder']} {row['image']}x{row['image']}x9 amp={row['amp']}", **row,
            "minibatch": minibatch, "rollout": rollout}
-    est = estimate(cfg, row["kind"], row["size"], device, "fake")
-    out.update(est)
+    if device == "cuda":  # first, in a process that has not touched CUDA: the estimate measures the context
+        out.update(measure_cuda(cfg, row["kind"], row["size"]))
+    out.update(estimate(cfg, row["kind"], row["size"], device, "fake"))
     if device == "cpu":
         out["estimated_real_mode_bytes"] = estimate(cfg, row["kind"], row["size"], "cpu", "real")["estimated_bytes"]
         out["measured_bytes"] = measure_cpu(cfg, row["kind"], row["size"])
         out["meter"] = "torch.profiler profile_memory (CPU allocator events)"
     else:
-        m = measure_cuda(cfg, row["kind"], row["size"])
-        out.update(m)
-        out["measured_bytes"] = m["device_used_delta"]
-        out["meter"] = "torch.cuda.mem_get_info delta (context included); allocator peaks alongside"
+        out["meter"] = ("device use at the allocator's peak: mem_get_info used - memory_reserved + "
+                        "max_memory_reserved (context included); allocator peaks alongside")
     out["error"] = (out["estimated_bytes"] - out["measured_bytes"]) / out["measured_bytes"]
     return out
 
 
-def run_grid(rows: list[dict], device: str, threads: int = 0) -> list[dict]:
+def _child(device: str, flag: str, value: str, threads: int) -> dict:
+    """This script with ``flag value`` in a fresh process (no allocator cache, autocast cache or
+    profiler state carries over); its last stdout line, as JSON."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--device", device, flag, value]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{flag} {value} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_grid(rows: list[dict], device: str, threads: int = 0):
     """Each row in a fresh child process (this script with ``--one``)."""
-    results = []
-    env = {**os.environ}
     for row in rows:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--device", device, "--one", json.dumps(row)]
-        if threads:
-            cmd += ["--threads", str(threads)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            raise RuntimeError(f"row {row} failed:\n{proc.stderr[-3000:]}")
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        yield results[-1]
+        yield _child(device, "--one", json.dumps(row), threads)
 
 
 def format_row(r: dict) -> str:
@@ -248,41 +339,61 @@ def format_row(r: dict) -> str:
             f"{r['estimated_bytes'] / mib:9.1f}{real} {r['measured_bytes'] / mib:9.1f} {100 * r['error']:+7.2f}%")
 
 
-def main(argv=None) -> int:
+def format_headline(h: dict) -> str:
+    gib = 2**30
+    return (f"headline {h['amp']}: ResNet-18 @224 x3, minibatch 256, {h['budget_bytes'] / gib:.0f} GiB: "
+            f"micro {h['micro_batch_size']} chunk {h['infer_chunk_size']}, estimated "
+            f"{h['estimated_bytes'] / gib:.2f} GiB, device use {h['device_used'] / gib:.2f} GiB "
+            f"(reserved peak {h['max_memory_reserved'] / gib:.2f}), OOM warnings {len(h['oom_warnings'])}, "
+            f"gradient rel. diff {h['gradient_relative_difference']:.1e}: {'PASS' if h['passed'] else 'FAIL'}")
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--quick", action="store_true", help="the small grid of the default test run")
     parser.add_argument("--amp", default=",".join(AMPS), help="comma list of off,bf16")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--no-headline", action="store_true", help="cuda: skip the 8 GiB headline check")
     parser.add_argument("--one", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    parser.add_argument("--headline-one", help=argparse.SUPPRESS)
+    return parser
+
+
+def _save(path: Path | None, device: str, rows: list[dict], headlines: list[dict]) -> None:
+    if path:  # after every row: a long grid leaves what it measured
+        path.write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": rows,
+                                    "headline": headlines}, indent=1))
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("validate_probe: no CUDA device here; nothing measured (run it on a GPU machine)", file=sys.stderr)
         return 0
-    if args.one:
-        print(json.dumps(run_row(json.loads(args.one), args.device)))
+    if args.one or args.headline_one:
+        print(json.dumps(run_row(json.loads(args.one), args.device) if args.one else headline(args.headline_one)))
         return 0
     grid = QUICK_GRID if args.quick else CUDA_GRID if args.device == "cuda" else FULL_GRID
-    rows = plan(grid, args.amp.split(","))
     print(f"{'encoder':>18s} {'img':>4s} {'amp':>4s} {'kind':>11s} {'size':>5s} {'est MiB':>9s}"
           f"{' real MiB' if args.device == 'cpu' else ''} {'meas MiB':>9s} {'error':>8s}", flush=True)
-    results = []
-    for r in run_grid(rows, args.device, args.threads):
+    results, headlines = [], []
+    for r in run_grid(plan(grid, args.amp.split(",")), args.device, args.threads):
         results.append(r)
         print(format_row(r), flush=True)
-        if args.json:  # after every row: a long grid leaves what it measured
-            args.json.write_text(json.dumps({"device": args.device, "torch": torch.__version__, "rows": results},
-                                            indent=1))
+        _save(args.json, args.device, results, headlines)
     worst = max(results, key=lambda r: abs(r["error"]))
     print(f"worst error {100 * worst['error']:+.2f}% ({worst['config']} {worst['kind']} {worst['size']}); "
           f"most under {100 * min(r['error'] for r in results):+.2f}%")
-    if args.json:
-        args.json.write_text(json.dumps({"device": args.device, "torch": torch.__version__, "rows": results},
-                                        indent=1))
-    return 0
+    if args.device == "cuda" and not args.no_headline:
+        for amp in HEADLINE_AMPS:
+            headlines.append(_child("cuda", "--headline-one", amp, args.threads))
+            print(format_headline(headlines[-1]), flush=True)
+            _save(args.json, args.device, results, headlines)
+    return 0 if all(h["passed"] for h in headlines) else 1
 
 
 if __name__ == "__main__":

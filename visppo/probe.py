@@ -34,7 +34,10 @@ The peak of one size is the sum of the breakdown's lines, each counted once
   their own line). With ``model.encoder_checkpointing`` the recomputation in
   backward is part of what is measured.
 - For a CUDA target: ``cuda_context``, ``cublas_workspace``, ``cudnn_workspace``,
-  ``allocator_rounding``; with ``world_size > 1`` (torchrun), ``ddp_buckets``.
+  ``allocator_rounding``.
+- With ``world_size > 1`` (torchrun): ``allreduce_buffer``, the flat fp32 copy of
+  the gradients that :func:`visppo.distributed.reduce_minibatch` all-reduces once
+  per minibatch.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -96,7 +100,7 @@ CUBLAS_WORKSPACE = {"sm90+": 4096 * 1024 * 8, "older": 4096 * 1024 * 2 + 16 * 10
 unset: ``:4096:8`` (32 MiB) on Hopper and later, ``:4096:2:16:8`` (8.1 MiB) before. It is
 allocated through the caching allocator at the first matmul and kept."""
 
-GPU_LINES = ("cuda_context", "cublas_workspace", "cudnn_workspace", "allocator_rounding", "ddp_buckets")
+GPU_LINES = ("cuda_context", "cublas_workspace", "cudnn_workspace", "allocator_rounding")
 
 SOURCES = {
     "parameters": "counted: bytes of every parameter of the model",
@@ -115,7 +119,10 @@ SOURCES = {
                        "algorithms, torch.backends.cudnn.benchmark off); measured inside activations in real mode",
     "allocator_rounding": "modelled: every block rounded to 512 B, blocks above 10 MiB to 2 MiB segments "
                           "(fragmentation of shared segments is left to the margin); measured in real mode",
-    "ddp_buckets": "counted: DDP's gradient buckets, one copy of the gradients (gradient_as_bucket_view off)",
+    "allreduce_buffer": "counted: the flat fp32 copy of every trainable gradient that torchrun's per-minibatch "
+                        "all-reduce builds (visppo.distributed.reduce_minibatch), 4 B per parameter; it lives "
+                        "after the backward, when activations are freed, so the line is what it needs beyond "
+                        "the pass's transient lines",
 }
 
 
@@ -310,34 +317,9 @@ class Prober:
         if self._fake is not None:
             _to_fake(self.policy, self._fake)
         self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
-        params = list(self.policy.parameters())
-        nbytes = [p.numel() * p.element_size() for p in params]
-        grads = [p.numel() * p.element_size() for p in self.trainable]
-        self.static = {"parameters": sum(nbytes), "gradients": sum(grads),
-                       "optimizer_state": 2 * sum(grads) + 4 * len(grads),  # exp_avg, exp_avg_sq, fp32 step
-                       "buffer": 0}
-        self.sources = {k: SOURCES[k] for k in ("parameters", "gradients", "optimizer_state", "buffer",
-                                                "activations")}
-        if device.type != "cuda":
-            self.sources["conv_workspace"] = SOURCES["conv_workspace"]
-        if world_size > 1:
-            self.static["ddp_buckets"] = sum(grads)
-            self.sources["ddp_buckets"] = SOURCES["ddp_buckets"] + f" (world_size {world_size})"
         self.cuda = device.type == "cuda"
         self.kernel_workspace = KernelWorkspace()
-        if self.cuda:
-            self.static["cuda_context"], src = cuda_context_bytes(device)
-            self.sources["cuda_context"] = f"{SOURCES['cuda_context']}: {src}"
-            self.static["cublas_workspace"], src = cublas_workspace_bytes(device)
-            self.sources["cublas_workspace"] = f"{SOURCES['cublas_workspace']}: {src}"
-            for k in ("cudnn_workspace", "allocator_rounding"):
-                self.sources[k] = SOURCES[k]
-
-            def rounding(sizes):
-                return sum(cuda_block_size(n) - n for n in sizes)
-            # parameters, gradients, Adam's two moments (same sizes) and its 4-byte steps in 512-byte blocks
-            self._static_rounding = {"params": rounding(nbytes), "grads": rounding(grads),
-                                     "optimizer": 2 * rounding(grads) + len(grads) * (cuda_block_size(4) - 4)}
+        self.static, self.sources = self._static_lines(world_size)
         one = RolloutBuffer(1, 1, self.obs_space, self.action_space)
         self.buffer_bytes_per_sample = one.nbytes()
         self.input_bytes_per_sample = sum(v.element_size() * v[0, 0].numel() for v in one.obs.values()) + \
@@ -345,65 +327,97 @@ class Prober:
         if cfg.memory.buffer_device == "device":
             self.static["buffer"] = self.buffer_bytes_per_sample * cfg.rollout_size
 
+    def _static_lines(self, world_size: int) -> tuple[dict[str, int], dict[str, str]]:
+        """The lines that do not depend on the size, and where every line of a pass comes from."""
+        nbytes = [p.numel() * p.element_size() for p in self.policy.parameters()]
+        grads = [p.numel() * p.element_size() for p in self.trainable]
+        static = {"parameters": sum(nbytes), "gradients": sum(grads),
+                  "optimizer_state": 2 * sum(grads) + 4 * len(grads),  # exp_avg, exp_avg_sq, fp32 step
+                  "buffer": 0}
+        names = ["parameters", "gradients", "optimizer_state", "buffer", "activations"]
+        names += ["cudnn_workspace", "allocator_rounding"] if self.cuda else ["conv_workspace"]
+        sources = {k: SOURCES[k] for k in names}
+        # torchrun: one flat fp32 copy of every trainable parameter's gradient per minibatch
+        self.allreduce_bytes = 4 * sum(p.numel() for p in self.trainable) if world_size > 1 else 0
+        if world_size > 1:
+            sources["allreduce_buffer"] = SOURCES["allreduce_buffer"] + f" (world_size {world_size})"
+        if self.cuda:
+            static["cuda_context"], src = cuda_context_bytes(self.device)
+            sources["cuda_context"] = f"{SOURCES['cuda_context']}: {src}"
+            static["cublas_workspace"], src = cublas_workspace_bytes(self.device)
+            sources["cublas_workspace"] = f"{SOURCES['cublas_workspace']}: {src}"
+
+            def rounding(sizes):
+                return sum(cuda_block_size(n) - n for n in sizes)
+            # parameters, gradients, Adam's two moments (same sizes) and its 4-byte steps in 512-byte blocks
+            self._static_rounding = {"params": rounding(nbytes), "grads": rounding(grads),
+                                     "optimizer": 2 * rounding(grads) + len(grads) * (cuda_block_size(4) - 4)}
+        return static, sources
+
     def activations(self, kind: str, size: int) -> int:
         """Bytes one micro-batch step (``micro_batch``) or one no-grad chunk (``infer_chunk``) adds
         at its peak, beyond parameters, gradients and optimizer state."""
         return self._pass(kind, size)["activations"]
 
     def _pass(self, kind: str, size: int) -> dict[str, int]:
+        """The size-dependent lines of one pass: measured, then split into what each line holds."""
         accumulating = kind == "micro_batch" and size < self.cfg.ppo.minibatch_size
-        fake = self._fake is not None
         meter = _StepMeter(cuda_block_size if self.cuda else None,
                            None if self.cuda else self.kernel_workspace)
-        precision = Precision(self.run_device, self.dtype)
         with warnings.catch_warnings(), (self._fake or nullcontext()):
             warnings.simplefilter("ignore")
-            # what exists before the pass: the host buffer (its gathered samples are the pass's),
-            # and, from the second micro-batch of a minibatch on, the gradients
-            buf = RolloutBuffer(size, 1, self.obs_space, self.action_space,
-                                channels_last=self.cfg.train.channels_last)
-            self.policy.zero_grad(set_to_none=True)
-            if accumulating:
-                for p in self.trainable:
-                    p.grad = torch.zeros_like(p)
-            if kind == "infer_chunk":
-                def run():
-                    _no_grad_pass(self.policy, buf, size, self.run_device, precision)
-            else:
-                index, adv = torch.arange(size), torch.zeros(size)
-
-                def run():
-                    _backward_pass(self.policy, buf, index, adv, self.cfg, self.run_device, precision)
+            run = self._prepare(kind, size, accumulating)
             try:
-                if self.run_device.type == "cuda":
-                    try:
-                        peak = peak_bytes(run, self.run_device)
-                    except Exception as exc:  # an OOM means: does not fit
-                        if is_oom(exc):
-                            return {"activations": 2**62}
-                        raise
-                    blocks = peak  # the allocator's statistic already holds its rounding
-                    workspace = 0
-                else:
-                    with meter:
-                        run()
-                    peak, blocks = meter.peak, meter.blocks_peak
-                    workspace = meter.workspace_peak - meter.peak
+                peak, blocks, workspace = self._run_measured(run, meter)
             finally:
                 self.policy.zero_grad(set_to_none=True)
+        if peak is None:  # out of memory on the device: does not fit
+            return {"activations": 2**62}
         out = {"activations": peak}
-        if not self.cuda:
-            out["conv_workspace"] = workspace
         if kind == "micro_batch" and not accumulating:  # the fresh gradients have their own line
             out["activations"] = max(0, peak - self.static["gradients"])
-        if kind == "infer_chunk" and self.cuda and fake:  # the chunk's copy to the GPU (a view on the CPU)
+        if kind == "infer_chunk" and self.cuda and self._fake is not None:  # the chunk's copy to the GPU
             out["activations"] += self.input_bytes_per_sample * size
         if self.cuda:
             static = self._static_rounding
             out["cudnn_workspace"] = meter.largest_conv
             out["allocator_rounding"] = (static["params"] + static["optimizer"] + (blocks - peak)
                                          + (static["grads"] if accumulating or kind == "infer_chunk" else 0))
+        else:
+            out["conv_workspace"] = workspace
+        if self.allreduce_bytes:  # after the backward, when the activations are gone: what it adds beyond them
+            transient = out["activations"] + out.get("conv_workspace", 0) + out.get("cudnn_workspace", 0)
+            out["allreduce_buffer"] = max(0, self.allreduce_bytes - transient)
         return out
+
+    def _prepare(self, kind: str, size: int, accumulating: bool) -> Callable[[], None]:
+        """What exists before the pass: the host buffer (its gathered samples are the pass's), and,
+        from the second micro-batch of a minibatch on, the gradients. Returns the pass."""
+        precision = Precision(self.run_device, self.dtype)
+        buf = RolloutBuffer(size, 1, self.obs_space, self.action_space, channels_last=self.cfg.train.channels_last)
+        self.policy.zero_grad(set_to_none=True)
+        if accumulating:
+            for p in self.trainable:
+                p.grad = torch.zeros_like(p)
+        if kind == "infer_chunk":
+            return lambda: _no_grad_pass(self.policy, buf, size, self.run_device, precision)
+        index, adv = torch.arange(size), torch.zeros(size)
+        return lambda: _backward_pass(self.policy, buf, index, adv, self.cfg, self.run_device, precision)
+
+    def _run_measured(self, run: Callable[[], None], meter: _StepMeter) -> tuple[int | None, int, int]:
+        """``(peak, peak in allocator blocks, hidden kernel workspace at the peak)``; peak None on a
+        device out-of-memory error."""
+        if self.run_device.type == "cuda":
+            try:
+                peak = peak_bytes(run, self.run_device)
+            except Exception as exc:
+                if is_oom(exc):
+                    return None, 0, 0
+                raise
+            return peak, peak, 0  # the allocator's statistic already holds its rounding
+        with meter:
+            run()
+        return meter.peak, meter.blocks_peak, meter.workspace_peak - meter.peak
 
     def measure(self, kind: str, size: int, limit: int) -> Candidate:
         breakdown = {**self.static, **self._pass(kind, size)}
@@ -424,7 +438,7 @@ def probe(cfg: Config, budget: str | int, device: str = "cuda", mode: str | None
     """Largest ``memory.micro_batch_size`` and ``memory.infer_chunk_size`` of ``cfg`` under ``budget``.
 
     ``world_size``: processes training together under torchrun (default: ``$WORLD_SIZE``, else 1);
-    above 1 each process also holds DDP's gradient buckets."""
+    above 1 each process also builds the all-reduce's flat gradient buffer."""
     budget_bytes = parse_bytes(budget) if isinstance(budget, str) else int(budget)
     target = torch.device(device)
     present = target.type == "cpu" or torch.cuda.is_available()
@@ -475,13 +489,15 @@ def probe(cfg: Config, budget: str | int, device: str = "cuda", mode: str | None
 
 
 def format_table(result: ProbeResult) -> str:
-    cols = ["parameters", "gradients", "optimizer_state", "buffer", "activations", "gpu"]
+    cols = ["parameters", "gradients", "optimizer_state", "buffer", "activations", "other"]
     head = f"{'kind':12s} {'size':>7s} {'peak':>11s} fits  " + " ".join(f"{c[:11]:>11s}" for c in cols)
     lines = [f"budget {format_bytes(result.budget_bytes)} on {result.device} ({result.mode} mode, amp "
              f"{result.amp}); limit after margin {format_bytes(result.limit_bytes)}", head]
 
     def value(c: Candidate, k: str) -> int:
-        return sum(c.breakdown.get(g, 0) for g in GPU_LINES) if k == "gpu" else c.breakdown.get(k, 0)
+        if k == "other":  # workspaces, GPU lines, the all-reduce buffer: named in the breakdown below
+            return c.peak_bytes - sum(c.breakdown.get(name, 0) for name in cols[:-1])
+        return c.breakdown.get(k, 0)
     for c in sorted(result.candidates, key=lambda c: (c.kind, c.size)):
         lines.append(f"{c.kind:12s} {c.size:7d} {format_bytes(c.peak_bytes):>11s} {'yes' if c.fits else 'no ':4s} "
                      + " ".join(f"{format_bytes(value(c, k)):>11s}" for k in cols))

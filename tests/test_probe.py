@@ -280,3 +280,26 @@ def test_conv_workspace_line_adds_what_the_kernels_hold_at_the_peak():
     lines = prober._pass("infer_chunk", 16)
     assert lines["conv_workspace"] > 0
     assert lines["activations"] == prober._pass("infer_chunk", 16)["activations"]  # deterministic
+
+
+def test_allreduce_line_is_the_flat_buffer_torchrun_really_builds(monkeypatch):
+    """The per-minibatch all-reduce (visppo.distributed.reduce_minibatch) is run with its collective
+    replaced: the tensor it hands over is the flat gradient copy the probe's line counts (plus the
+    few statistics), so a change of its dtype or content would fail here."""
+    from visppo import distributed
+
+    cfg = load_config(None, tiny_overrides())
+    prober = Prober(cfg, torch.device("cpu"), "real", world_size=2)
+    handed = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, *a, **k: handed.append(t.nbytes))
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a: "gloo")
+    for p in prober.trainable:
+        p.grad = torch.ones_like(p)
+    stats = {"policy_loss": 1.0, "value_loss": 2.0}
+    distributed.reduce_minibatch(prober.trainable, stats, failed=False)
+    assert handed == [prober.allreduce_bytes + 4 * (len(stats) + 1)]
+    lines = prober._pass("infer_chunk", 8)
+    transient = lines["activations"] + lines["conv_workspace"]
+    assert lines["allreduce_buffer"] == max(0, prober.allreduce_bytes - transient)
+    assert Prober(cfg, torch.device("cpu"), "real").allreduce_bytes == 0  # one process: no such buffer

@@ -303,3 +303,13 @@ def test_allreduce_line_is_the_flat_buffer_torchrun_really_builds(monkeypatch):
     transient = lines["activations"] + lines["conv_workspace"]
     assert lines["allreduce_buffer"] == max(0, prober.allreduce_bytes - transient)
     assert Prober(cfg, torch.device("cpu"), "real").allreduce_bytes == 0  # one process: no such buffer
+
+
+def test_kernel_workspace_under_a_users_profiler_warns_and_counts_nothing():
+    from torch.profiler import profile
+
+    cfg = load_config(None, tiny_overrides(**{"env.image_size": 48, "train.amp": "bf16"}))
+    prober = Prober(cfg, torch.device("cpu"), "fake")  # measured, this pass's line is > 0 (the test above)
+    with profile(), pytest.warns(RuntimeWarning, match="conv_workspace not measured"):
+        assert prober._pass("infer_chunk", 16)["conv_workspace"] == 0
+    assert "not measured" in prober.sources["conv_workspace"]

@@ -193,9 +193,14 @@ class KernelWorkspace:
 
     def __init__(self) -> None:
         self.cache: dict[tuple, int] = {}
+        self.unmeasured = False
+        """Set when a convolution could not be measured (another profiler was running): it counted 0."""
 
     def __call__(self, func, args: tuple, kwargs: dict) -> int:
         if str(func.overloadpacket) not in self.OPS:
+            return 0
+        if torch._C._autograd._profiler_enabled():  # profilers do not nest: the user's is running
+            self.unmeasured = True
             return 0
         key = (str(func), torch.get_num_threads(), *(_signature(a) for a in tree_leaves((args, kwargs))))
         if key not in self.cache:
@@ -373,6 +378,10 @@ class Prober:
                 self.policy.zero_grad(set_to_none=True)
         if peak is None:  # out of memory on the device: does not fit
             return {"activations": 2**62}
+        if self.kernel_workspace.unmeasured and "not measured" not in self.sources["conv_workspace"]:
+            note = "not measured: a torch.profiler was running (profilers do not nest); counted 0"
+            warnings.warn(f"visppo probe: conv_workspace {note}", RuntimeWarning, stacklevel=2)
+            self.sources["conv_workspace"] = note
         out = {"activations": peak}
         if kind == "micro_batch" and not accumulating:  # the fresh gradients have their own line
             out["activations"] = max(0, peak - self.static["gradients"])

@@ -33,6 +33,8 @@ The peak of one size is the sum of the breakdown's lines, each counted once
   the gradients it allocates are taken out of the measured peak (they are
   their own line). With ``model.encoder_checkpointing`` the recomputation in
   backward is part of what is measured.
+- For a CPU target: ``conv_workspace``, what convolution kernels allocate and
+  free inside the op (:class:`KernelWorkspace`), at the moment of the pass's peak.
 - For a CUDA target: ``cuda_context``, ``cublas_workspace``, ``cudnn_workspace``,
   ``allocator_rounding``.
 - With ``world_size > 1`` (torchrun): ``allreduce_buffer``, the flat fp32 copy of

@@ -181,7 +181,7 @@ def test_gradients_are_counted_once_in_a_single_pass_and_in_an_accumulating_one(
     acc = Prober(load_config(None, tiny_overrides(**{"ppo.minibatch_size": 64})), torch.device("cpu"), "real")
     later = acc._pass("micro_batch", 32)["activations"]
     assert later <= whole + grads
-    assert later > 0.5 * whole
+    assert later >= whole  # the same activations, plus each temporary gradient before it is added in
 
 
 def test_breakdown_sums_to_the_peak_with_every_line_once():

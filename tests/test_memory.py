@@ -179,3 +179,14 @@ def test_largest_fitting_doubles_then_bisects():
     assert tried[:7] == [1, 2, 4, 8, 16, 32, 64] and all(t in range(32, 65) for t in tried[7:])
     assert largest_fitting(lambda n: True, limit=40) == (40, [1, 2, 4, 8, 16, 32, 40])
     assert largest_fitting(lambda n: False, limit=40) == (0, [1])
+
+
+def test_block_size_counts_the_allocators_rounded_blocks_alongside():
+    from visppo.memory import cuda_block_size
+
+    with LiveBytes(cuda_block_size) as meter:
+        x = torch.empty(100, dtype=torch.uint8)
+        y = torch.empty(11 * MIB, dtype=torch.uint8)
+        assert (meter.current, meter.blocks_current) == (100 + 11 * MIB, 512 + 12 * MIB)
+        del x, y
+    assert meter.blocks_current == 0 and meter.blocks_peak == 512 + 12 * MIB

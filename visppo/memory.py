@@ -18,7 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes", "peak_bytes", "is_oom", "format_bytes"]
+__all__ = ["LiveBytes", "peak_bytes", "cpu_allocator_peak", "is_oom", "format_bytes", "cuda_block_size",
+           "largest_fitting"]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -43,15 +44,22 @@ class LiveBytes(TorchDispatchMode):
     existed before, even if resized inside; not memory that bypasses the
     dispatcher, e.g. ``torch.from_numpy`` or a library's workspace); it counts
     storage bytes, not what the allocator really holds (rounding, caching,
-    fragmentation), so on CUDA prefer the allocator's statistics
-    (:func:`peak_bytes` does). Tracking costs Python work on every op: measure
+    fragmentation; ``block_size`` can model the rounding), so on CUDA prefer the
+    allocator's statistics (:func:`peak_bytes` does). Under ``FakeTensorMode``, make
+    every tensor a fake of that mode (a real input gets a fake storage of its own
+    at each conversion, so a view of it would count as new memory). Tracking costs Python work on every op: measure
     memory and time in separate runs.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: Callable[[int], int] | None = None) -> None:
         super().__init__()
         self.current = 0
         self.peak = 0
+        self.block_size = block_size
+        """Optional: the bytes an allocator really hands out for a request (its rounding); then
+        ``blocks_current`` / ``blocks_peak`` follow those alongside the exact counts."""
+        self.blocks_current = 0
+        self.blocks_peak = 0
         self._sizes: dict[int, int] = {}  # storage identity -> bytes counted for it
         self._lock = threading.RLock()  # finalizers may run on another thread
 
@@ -59,6 +67,7 @@ class LiveBytes(TorchDispatchMode):
         """Start a new peak from the bytes live now (e.g. between phases of one step)."""
         with self._lock:
             self.peak = self.current
+            self.blocks_peak = self.blocks_current
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -78,7 +87,8 @@ class LiveBytes(TorchDispatchMode):
             return
         with self._lock:
             if key in self._sizes:  # already counted: a view, an in-place op, or a resize
-                self._add(nbytes - self._sizes[key])
+                self._sub(self._sizes[key])
+                self._add(nbytes)
                 self._sizes[key] = nbytes
                 return
             if key in inputs or nbytes == 0:  # aliases a tensor from before tracking, or empty
@@ -89,12 +99,19 @@ class LiveBytes(TorchDispatchMode):
 
     def _add(self, nbytes: int) -> None:
         self.current += nbytes
-        if self.current > self.peak:
-            self.peak = self.current
+        self.peak = max(self.peak, self.current)
+        if self.block_size is not None:
+            self.blocks_current += self.block_size(nbytes)
+            self.blocks_peak = max(self.blocks_peak, self.blocks_current)
+
+    def _sub(self, nbytes: int) -> None:
+        self.current -= nbytes
+        if self.block_size is not None:
+            self.blocks_current -= self.block_size(nbytes)
 
     def _free(self, key: int) -> None:
         with self._lock:
-            self.current -= self._sizes.pop(key, 0)
+            self._sub(self._sizes.pop(key, 0))
 
 
 def _storage_key(t: Any) -> int | None:
@@ -125,6 +142,50 @@ def peak_bytes(fn: Callable[[], Any], device: torch.device | str) -> int:
     with LiveBytes() as meter:
         fn()
     return meter.peak
+
+
+def cpu_allocator_peak(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """``(peak, fn())``: the most bytes the CPU allocator held during ``fn()`` beyond what it held
+    before, from ``torch.profiler``'s allocation events (``profile_memory``).
+
+    Unlike :class:`LiveBytes` this sees what kernels allocate and free inside one op (oneDNN's
+    reordered weights and reduction buffers, im2col columns), which no dispatch mode can see.
+    It cannot run inside another profiler, and starting one costs milliseconds: measure
+    single ops, not whole steps.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+                    key=lambda event: event[0])  # stable: events of one instant keep their order
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak, out
+
+
+CUDA_BLOCK_ROUND = 512
+CUDA_LARGE_SEGMENT_ROUND = 2 * 2**20
+CUDA_OWN_SEGMENT_ABOVE = 10 * 2**20
+
+
+def cuda_block_size(nbytes: int) -> int:
+    """Bytes PyTorch's CUDA caching allocator sets aside for a request of ``nbytes``.
+
+    Every block is rounded up to a multiple of 512 B (what ``max_memory_allocated``
+    counts). A request above 10 MiB gets a segment of its own from ``cudaMalloc``,
+    rounded up to 2 MiB (what ``max_memory_reserved`` then holds for it); smaller
+    ones are carved out of shared 2 MiB / 20 MiB segments, whose unused rest is
+    fragmentation this model leaves to the probe's margin. Expandable segments
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) round the same way.
+    """
+    size = -(-nbytes // CUDA_BLOCK_ROUND) * CUDA_BLOCK_ROUND
+    if size > CUDA_OWN_SEGMENT_ABOVE:
+        size = -(-size // CUDA_LARGE_SEGMENT_ROUND) * CUDA_LARGE_SEGMENT_ROUND
+    return size
 
 
 _OOM_MESSAGES = ("out of memory", "can't allocate memory")

@@ -1,0 +1,90 @@
+"""tools/validate_probe.py: the probe against an independent meter (torch.profiler's allocator events)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
+
+import validate_probe as vp  # noqa: E402
+
+
+def test_oracle_peak_follows_allocator_events_in_time_order():
+    from torch.profiler import ProfilerActivity, profile
+
+    before = torch.empty(1000)  # allocated before profiling: its free is not reported
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = torch.empty(256, 1024)  # 1 MiB
+        b = torch.empty(1000, dtype=torch.uint8)
+        del a
+        c = torch.empty(100)
+        del before, b, c
+    assert vp.peak_from_events(prof.profiler.kineto_results.events()) == 2**20 + 1000
+
+
+# (encoder, image, amp, kind, size): a small grid for the default run (seconds each)
+QUICK_ROWS = [("nature", 64, "off", "micro_batch", 16), ("nature", 64, "off", "infer_chunk", 64),
+              ("nature", 48, "bf16", "micro_batch", 8), ("nature", 64, "bf16", "infer_chunk", 64),
+              ("mobilenet_v3_small", 48, "off", "micro_batch", 8),
+              ("resnet18", 32, "off", "micro_batch", 4)]  # oneDNN's backward workspace: 27% of this row
+
+
+@pytest.mark.parametrize("encoder, image, amp, kind, size", QUICK_ROWS)
+def test_estimate_within_5_percent_of_the_oracle_and_never_2_percent_under(encoder, image, amp, kind, size):
+    row = vp.run_row(dict(encoder=encoder, image=image, amp=amp, kind=kind, size=size), "cpu")
+    assert -0.02 <= row["error"] <= 0.05, row
+    assert row["estimated_real_mode_bytes"] == pytest.approx(row["estimated_bytes"], rel=0.01)
+
+
+def test_tool_writes_rows_json(tmp_path):
+    out = tmp_path / "v.json"
+    row = json.dumps(dict(encoder="nature", image=48, amp="off", kind="micro_batch", size=8))
+    proc = subprocess.run([sys.executable, str(TOOLS / "validate_probe.py"), "--device", "cpu", "--one", row],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"config", "kind", "size", "estimated_bytes", "measured_bytes"} <= data.keys()
+    assert vp.plan(vp.FULL_GRID, vp.AMPS).__len__() >= 8 and len(vp.plan(vp.CUDA_GRID, vp.AMPS)) >= 8
+    del out
+
+
+def test_cuda_mode_skips_cleanly_without_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    assert vp.main(["--device", "cuda", "--json", "unused.json"]) == 0
+    assert "no CUDA device" in capsys.readouterr().err
+    assert not Path("unused.json").exists()
+
+
+def test_split_gradient_check_of_the_headline_runs_the_real_minibatch_gradient(monkeypatch):
+    """The headline's gradient comparison (micro-batched vs unsplit) on the CPU: the same up to
+    float rounding, and a wrong split (a micro-batch dropped) is caught."""
+    from visppo.builders import build_policy
+    from visppo.config import load_config
+    from visppo.precision import Precision
+
+    cpu = torch.device("cpu")
+    cfg = load_config(None, vp.overrides("nature", 48, "off", 16, 32, "cpu"))
+    buf, obs_space, action_space = vp.make_buffer(cfg, cpu)
+    policy = build_policy(cfg, obs_space, action_space, cpu, load_weights=False)
+    assert vp._split_vs_unsplit(cfg, policy, buf, Precision(cpu), cpu, 4) < 1e-5
+    import visppo.ppo as ppo
+
+    real = ppo.micro_batches
+    monkeypatch.setattr(ppo, "micro_batches",
+                        lambda mb, size: list(real(mb, size))[:-1] if size < len(mb) else real(mb, size))
+    assert vp._split_vs_unsplit(cfg, policy, buf, Precision(cpu), cpu, 4) > 0.05
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("amp", vp.HEADLINE_AMPS)
+def test_headline_fits_an_8_gib_card(amp):
+    h = vp._child("cuda", "--headline-one", amp, 0)
+    assert h["passed"], vp.format_headline(h)

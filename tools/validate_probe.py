@@ -1,0 +1,406 @@
+"""Check the memory probe's estimates against a measurement that shares no code with it.
+
+    python tools/validate_probe.py --device cpu --json probe_cpu.json     # oracle: torch.profiler
+    python tools/validate_probe.py --device cuda --json probe_gpu.json    # real GPU: allocator + driver
+    python tools/validate_probe.py --device cpu --quick                   # the small grid of the tests
+
+Every row is one config (encoder, image size, AMP) and one size: a micro-batch
+(``kind=micro_batch``) or an inference chunk (``kind=infer_chunk``). The
+estimate is what ``visppo probe`` reports for that size in fake mode (nothing
+allocated; the mode used for a GPU the machine lacks), and in real mode.
+
+The measurement runs what training runs, for real, in a fresh state:
+
+- ``micro_batch``: build the policy and Adam, then ``ppo.update`` over a rollout
+  of two minibatches of ``2 x size`` samples each (so every minibatch accumulates two
+  micro-batches), one epoch: the first minibatch's step creates Adam's state, so the
+  second minibatch runs as every later one does (a second epoch measured the same
+  bytes: 38,116,464 B either way for the Nature CNN 84x84 bf16 micro-batch 32); the
+  row's figure is the peak over all of it.
+- ``infer_chunk``: the same first, then ``ppo.infer`` over the rollout in chunks of
+  ``size`` (as after collection: gradients and Adam state live); the figure is
+  the peak during the score pass.
+
+On the CPU the meter is ``torch.profiler`` with ``profile_memory=True``: every
+allocation and free of the CPU allocator while profiling, summed in time order
+(frees of blocks allocated before profiling are not reported, so the rollout
+buffer, made before, stays out, as it does in the probe's device budget). The
+probe's own meters (``FakeTensorMode`` + a dispatch-mode counter) see tensors,
+not allocator calls; nothing here calls them.
+
+On CUDA the figures are the caching allocator's ``max_memory_allocated`` and
+``max_memory_reserved`` and the device's whole use from ``torch.cuda.mem_get_info``
+(CUDA context included), against the probe's CUDA estimate (fake mode, the
+same as on a machine without a GPU). ``--device cuda`` also runs the headline
+check: under an 8 GiB cap (``set_per_process_memory_fraction``) the sizes the
+probe recommends for ResNet-18 @224 x 3 frames, minibatch 256 (bf16, and fp16
+with a GradScaler) run a full update without running out of memory, and the
+micro-batched gradient equals the unsplit minibatch's.
+
+Each row runs in a child process (``--one``) so that no allocator cache,
+autocast cache or profiler state carries from one row to the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+# (encoder, image size, micro-batch sizes, chunk sizes): 3 stacked RGB frames, DotReach
+FULL_GRID = [
+    ("nature", 84, (32, 128), (256,)),
+    ("resnet18", 64, (16, 48), (64,)),
+    ("resnet18", 96, (24,), (48,)),
+    ("mobilenet_v3_small", 64, (32,), (128,)),
+    ("mobilenet_v3_small", 96, (16,), (64,)),
+]
+QUICK_GRID = [  # the default test run's share: seconds, not minutes
+    ("nature", 64, (16,), (64,)),
+    ("mobilenet_v3_small", 48, (8,), ()),
+    ("resnet18", 32, (4,), ()),
+]
+CUDA_GRID = [
+    ("nature", 84, (64, 256), (1024,)),
+    ("resnet18", 128, (64, 128), (256,)),
+    ("resnet18", 224, (32, 64), (128,)),
+    ("mobilenet_v3_small", 224, (64, 128), (256,)),
+]
+AMPS = ("off", "bf16")
+
+
+def overrides(encoder: str, image: int, amp: str, minibatch: int, rollout: int, device: str,
+              epochs: int = 1) -> list[str]:
+    return [f"model.encoder={encoder}", f"env.image_size={image}", "env.frame_stack=3", "env.id=visppo/DotReach-v0",
+            f"train.amp={amp}", f"train.device={device}", "model.encoder_weights=none",
+            f"ppo.minibatch_size={minibatch}", "ppo.num_envs=1", f"ppo.num_steps={rollout}", f"ppo.num_epochs={epochs}",
+            "ppo.target_kl=0", "ppo.recompute_advantages=false", "ppo.recompute_logp_old=false"]
+
+
+def plan(grid, amps) -> list[dict]:
+    rows = []
+    for encoder, image, micros, chunks in grid:
+        for amp in amps:
+            for size in micros:
+                rows.append(dict(encoder=encoder, image=image, amp=amp, kind="micro_batch", size=size))
+            for size in chunks:
+                rows.append(dict(encoder=encoder, image=image, amp=amp, kind="infer_chunk", size=size))
+    return rows
+
+
+def sizes_of(row: dict) -> tuple[int, int]:
+    """(minibatch, rollout) of a row: two micro-batches per minibatch, two minibatches per rollout;
+    a chunk row scores a rollout of four chunks."""
+    if row["kind"] == "micro_batch":
+        return 2 * row["size"], 4 * row["size"]
+    return 2 * row["size"], 4 * row["size"]
+
+
+# --------------------------------------------------------------------------- the workload (real training code)
+
+
+def make_buffer(cfg, device: torch.device):
+    """``(buffer, obs_space, action_space)``: a host rollout buffer of the config, random-filled
+    (pinned when the device is a GPU, as training makes it)."""
+    from visppo.buffer import RolloutBuffer
+    from visppo.envs import make_env
+
+    env = make_env(cfg)
+    obs_space, action_space = env.observation_space, env.action_space
+    env.close()
+    gen = torch.Generator().manual_seed(0)
+    buf = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, obs_space, action_space,
+                        pin_memory=device.type == "cuda", channels_last=cfg.train.channels_last)
+    for v in buf.obs.values():
+        v.copy_(torch.randint(0, 256, v.shape, generator=gen, dtype=torch.uint8) if v.dtype == torch.uint8
+                else torch.randn(v.shape, generator=gen).to(v.dtype))
+    for name in ("advantages", "returns", "values"):
+        getattr(buf, name).copy_(torch.randn(buf.T, buf.N, generator=gen))
+    buf.logp.copy_(-torch.rand(buf.T, buf.N, generator=gen))
+    return buf, obs_space, action_space
+
+
+def _workload(cfg, device: torch.device, kind: str, size: int, phase):
+    """Build what training builds and run it; ``phase(name)`` is a context manager around each part."""
+    from visppo.builders import build_optimizer, build_policy
+    from visppo.ppo import MemorySizes, UpdateSetup, infer, update
+    from visppo.precision import resolve_precision
+
+    buf, obs_space, action_space = make_buffer(cfg, device)
+    yield "ready"  # the buffer is made: measuring starts here
+    with phase("build"):
+        policy = build_policy(cfg, obs_space, action_space, device, load_weights=False)
+        optimizer = build_optimizer(cfg, policy)
+        precision = resolve_precision(cfg.train.amp, device)
+    micro = size if kind == "micro_batch" else cfg.ppo.minibatch_size
+    setup = UpdateSetup(cfg.ppo, MemorySizes(micro, 1024), device, precision, torch.Generator().manual_seed(1))
+    with phase("update"):
+        update(policy, optimizer, buf, setup)
+    if kind == "infer_chunk":
+        with phase("score"):
+            infer(policy, buf.flat_obs(), buf.flat(buf.actions), MemorySizes(micro, size), device, precision)
+    yield "done"
+
+
+def _phases():
+    from contextlib import contextmanager
+
+    @contextmanager
+    def phase(name):
+        with torch.profiler.record_function(f"validate_probe.{name}"):
+            yield
+    return phase
+
+
+def measure_cpu(cfg, kind: str, size: int) -> int:
+    """Peak bytes held through the CPU allocator by the row's workload (see the module doc)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    work = _workload(cfg, torch.device("cpu"), kind, size, _phases())
+    next(work)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        next(work)
+    return peak_from_events(prof.profiler.kineto_results.events(),
+                            "validate_probe.score" if kind == "infer_chunk" else None)
+
+
+def peak_from_events(events, window: str | None = None) -> int:
+    """Running sum of the profiler's ``[memory]`` events in time order; its maximum (within the
+    span of the user annotation ``window`` when given)."""
+    mem = sorted(((e.start_ns(), e.nbytes()) for e in events
+                  if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+                 key=lambda t: t[0])
+    lo, hi = -1, float("inf")
+    if window is not None:
+        spans = [(e.start_ns(), e.end_ns()) for e in events if e.name() == window]
+        lo, hi = min(s for s, _ in spans), max(t for _, t in spans)
+    live = peak = 0
+    for t, n in mem:
+        live += n
+        if lo <= t <= hi:
+            peak = max(peak, live)
+    return peak
+
+
+def device_use(device: torch.device) -> dict:
+    """What the device holds for this process now: its whole use (``mem_get_info``: context,
+    kernels, cuBLAS/cuDNN and every segment the allocator reserved) and the allocator's own figures."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return {"device_used": total - free, "device_total": total,
+            "memory_reserved": torch.cuda.memory_reserved(device),
+            "max_memory_reserved": torch.cuda.max_memory_reserved(device),
+            "max_memory_allocated": torch.cuda.max_memory_allocated(device),
+            "device_name": torch.cuda.get_device_name(device)}
+
+
+def measure_cuda(cfg, kind: str, size: int) -> dict:
+    """The row's workload on the GPU, in a process that has not touched CUDA before. The measured
+    figure is the device's whole use at the allocator's peak: what ``mem_get_info`` shows at the end
+    (context included), less what the allocator holds then, plus its peak reservation. Run on a
+    GPU no other process uses (``device_used`` counts every process)."""
+    from contextlib import nullcontext
+
+    device = torch.device("cuda")
+    work = _workload(cfg, device, kind, size, lambda name: nullcontext())
+    next(work)  # the host buffer; CUDA is initialised by the workload itself
+    next(work)
+    m = device_use(device)
+    m["measured_bytes"] = m["device_used"] - m["memory_reserved"] + m["max_memory_reserved"]
+    return m
+
+
+# --------------------------------------------------------------------------- the headline (CUDA)
+
+HEADLINE_BUDGET = 8 * 2**30
+HEADLINE_AMPS = ("bf16", "fp16")
+
+
+def headline(amp: str) -> dict:
+    """Under an 8 GiB card emulated on a bigger GPU, the probe's sizes for ResNet-18 @224 x 3
+    frames, minibatch 256 run a full update (two minibatches, two epochs, then the chunked
+    no-grad pass) without running out of memory, and the micro-batched minibatch gradient
+    equals the unsplit one (computed afterwards with the cap lifted)."""
+    import warnings
+
+    from visppo.config import load_config
+    from visppo.probe import cuda_context_bytes, probe
+
+    device = torch.device("cuda")
+    cfg = load_config(None, overrides("resnet18", 224, amp, 256, 512, "cuda", epochs=2))
+    rec = probe(cfg, HEADLINE_BUDGET, "cuda", mode="fake")
+    context, _ = cuda_context_bytes(device)  # a real 8 GiB card holds the context too: cap the allocator below
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction((HEADLINE_BUDGET - context) / total, device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sizes, policy, buf, precision = _headline_update(cfg, device, rec.micro_batch_size, rec.infer_chunk_size)
+    use = device_use(device)
+    torch.cuda.set_per_process_memory_fraction(1.0, device)
+    oom = [str(w.message) for w in caught if "out of memory" in str(w.message)]
+    rel = _split_vs_unsplit(cfg, policy, buf, precision, device, rec.micro_batch_size)
+    return {"amp": amp, "budget_bytes": HEADLINE_BUDGET, "cuda_context": context,
+            "micro_batch_size": rec.micro_batch_size, "infer_chunk_size": rec.infer_chunk_size,
+            "estimated_bytes": rec.peak_bytes, "sizes_after": [sizes.micro, sizes.chunk], "oom_warnings": oom,
+            "gradient_relative_difference": rel, **use,
+            "passed": not oom and [sizes.micro, sizes.chunk] == [rec.micro_batch_size, rec.infer_chunk_size]
+            and rel < 1e-2}
+
+
+def _headline_update(cfg, device: torch.device, micro: int, chunk: int):
+    """A full update and chunked no-grad pass at the given sizes; returns what it used."""
+    from visppo.builders import build_optimizer, build_policy
+    from visppo.ppo import MemorySizes, UpdateSetup, infer, update
+    from visppo.precision import resolve_precision
+
+    buf, obs_space, action_space = make_buffer(cfg, device)
+    policy = build_policy(cfg, obs_space, action_space, device, load_weights=False)
+    optimizer = build_optimizer(cfg, policy)
+    precision = resolve_precision(cfg.train.amp, device)
+    sizes = MemorySizes(micro, chunk)
+    update(policy, optimizer, buf, UpdateSetup(cfg.ppo, sizes, device, precision, torch.Generator().manual_seed(1)))
+    infer(policy, buf.flat_obs(), buf.flat(buf.actions), sizes, device, precision)
+    return sizes, policy, buf, precision
+
+
+def _split_vs_unsplit(cfg, policy, buf, precision, device: torch.device, micro: int) -> float:
+    """``|g_split - g_whole| / |g_whole|`` over every trainable parameter, for the first minibatch
+    (fp16: both scaled by the same GradScaler scale, which divides out of the ratio)."""
+    from visppo.ppo import MemorySizes, UpdateSetup, minibatch_gradient
+
+    mb = torch.arange(cfg.ppo.minibatch_size)
+    adv = buf.flat(buf.advantages)[mb]
+    grads = []
+    for size in (micro, cfg.ppo.minibatch_size):
+        policy.zero_grad(set_to_none=True)
+        minibatch_gradient(policy, buf, mb, adv, UpdateSetup(cfg.ppo, MemorySizes(size, size), device, precision))
+        grads.append(torch.cat([p.grad.float().flatten() for p in policy.parameters() if p.grad is not None]))
+    policy.zero_grad(set_to_none=True)
+    return float((grads[0] - grads[1]).norm() / grads[1].norm())
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+def estimate(cfg, kind: str, size: int, target: str, mode: str) -> dict:
+    from visppo.probe import Prober
+
+    prober = Prober(cfg, torch.device(target), mode)
+    cand = prober.measure(kind, size, 2**62)
+    return {"estimated_bytes": cand.peak_bytes, "breakdown": cand.breakdown}
+
+
+def run_row(row: dict, device: str) -> dict:
+    from visppo.config import load_config
+
+    minibatch, rollout = sizes_of(row)
+    cfg = load_config(None, overrides(row["encoder"], row["image"], row["amp"], minibatch, rollout, device))
+    out = {"config": f"{row['encoder']} {row['image']}x{row['image']}x9 amp={row['amp']}", **row,
+           "minibatch": minibatch, "rollout": rollout}
+    if device == "cuda":  # first, in a process that has not touched CUDA: the estimate measures the context
+        out.update(measure_cuda(cfg, row["kind"], row["size"]))
+    out.update(estimate(cfg, row["kind"], row["size"], device, "fake"))
+    if device == "cpu":
+        if row.get("real_mode", True):  # the probe's real mode too (same meters on real tensors)
+            out["estimated_real_mode_bytes"] = estimate(cfg, row["kind"], row["size"], "cpu", "real")["estimated_bytes"]
+        out["measured_bytes"] = measure_cpu(cfg, row["kind"], row["size"])
+        out["meter"] = "torch.profiler profile_memory (CPU allocator events)"
+    else:
+        out["meter"] = ("device use at the allocator's peak: mem_get_info used - memory_reserved + "
+                        "max_memory_reserved (context included); allocator peaks alongside")
+    out["error"] = (out["estimated_bytes"] - out["measured_bytes"]) / out["measured_bytes"]
+    return out
+
+
+def _child(device: str, flag: str, value: str, threads: int) -> dict:
+    """This script with ``flag value`` in a fresh process (no allocator cache, autocast cache or
+    profiler state carries over); its last stdout line, as JSON."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--device", device, flag, value]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{flag} {value} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_grid(rows: list[dict], device: str, threads: int = 0):
+    """Each row in a fresh child process (this script with ``--one``)."""
+    for row in rows:
+        yield _child(device, "--one", json.dumps(row), threads)
+
+
+def format_row(r: dict) -> str:
+    mib = 2**20
+    real = (f" {r['estimated_real_mode_bytes'] / mib:9.1f}" if "estimated_real_mode_bytes" in r else "")
+    return (f"{r['encoder']:>18s} {r['image']:4d} {r['amp']:>4s} {r['kind']:>11s} {r['size']:5d} "
+            f"{r['estimated_bytes'] / mib:9.1f}{real} {r['measured_bytes'] / mib:9.1f} {100 * r['error']:+7.2f}%")
+
+
+def format_headline(h: dict) -> str:
+    gib = 2**30
+    return (f"headline {h['amp']}: ResNet-18 @224 x3, minibatch 256, {h['budget_bytes'] / gib:.0f} GiB: "
+            f"micro {h['micro_batch_size']} chunk {h['infer_chunk_size']}, estimated "
+            f"{h['estimated_bytes'] / gib:.2f} GiB, device use {h['device_used'] / gib:.2f} GiB "
+            f"(reserved peak {h['max_memory_reserved'] / gib:.2f}), OOM warnings {len(h['oom_warnings'])}, "
+            f"gradient rel. diff {h['gradient_relative_difference']:.1e}: {'PASS' if h['passed'] else 'FAIL'}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--quick", action="store_true", help="the small grid of the default test run")
+    parser.add_argument("--amp", default=",".join(AMPS), help="comma list of off,bf16")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--no-headline", action="store_true", help="cuda: skip the 8 GiB headline check")
+    parser.add_argument("--fake-only", action="store_true", help="cpu: skip the real-mode estimate (faster)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--headline-one", help=argparse.SUPPRESS)
+    return parser
+
+
+def _save(path: Path | None, device: str, rows: list[dict], headlines: list[dict]) -> None:
+    if path:  # after every row: a long grid leaves what it measured
+        path.write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": rows,
+                                    "headline": headlines}, indent=1))
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("validate_probe: no CUDA device here; nothing measured (run it on a GPU machine)", file=sys.stderr)
+        return 0
+    if args.one or args.headline_one:
+        print(json.dumps(run_row(json.loads(args.one), args.device) if args.one else headline(args.headline_one)))
+        return 0
+    grid = QUICK_GRID if args.quick else CUDA_GRID if args.device == "cuda" else FULL_GRID
+    print(f"{'encoder':>18s} {'img':>4s} {'amp':>4s} {'kind':>11s} {'size':>5s} {'est MiB':>9s}"
+          f"{' real MiB' if args.device == 'cpu' else ''} {'meas MiB':>9s} {'error':>8s}", flush=True)
+    results, headlines = [], []
+    rows = [{**row, "real_mode": not args.fake_only} for row in plan(grid, args.amp.split(","))]
+    for r in run_grid(rows, args.device, args.threads):
+        results.append(r)
+        print(format_row(r), flush=True)
+        _save(args.json, args.device, results, headlines)
+    worst = max(results, key=lambda r: abs(r["error"]))
+    print(f"worst error {100 * worst['error']:+.2f}% ({worst['config']} {worst['kind']} {worst['size']}); "
+          f"most under {100 * min(r['error'] for r in results):+.2f}%")
+    if args.device == "cuda" and not args.no_headline:
+        for amp in HEADLINE_AMPS:
+            headlines.append(_child("cuda", "--headline-one", amp, args.threads))
+            print(format_headline(headlines[-1]), flush=True)
+            _save(args.json, args.device, results, headlines)
+    return 0 if all(h["passed"] for h in headlines) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -56,3 +56,23 @@ def infer_with(policy, obs, actions, chunk):
     cpu = torch.device("cpu")
     sizes = chunk if isinstance(chunk, MemorySizes) else MemorySizes(0, int(chunk))
     return infer(policy, obs, actions, sizes, cpu, Precision(cpu))
+
+
+def run_main(capsys, *args) -> tuple[int, str]:
+    """``visppo ARGS`` in this process: (exit code, what it wrote to stderr)."""
+    from visppo.cli import main
+
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def one_error_line(err: str, *needles: str) -> str:
+    """Assert ``err`` is exactly one ``error:`` line containing each needle; return it."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, err)
+    return lines[0]

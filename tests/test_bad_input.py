@@ -5,26 +5,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import one_error_line, run_main, tiny_overrides
 
 from visppo.cli import main
 from visppo.config import ConfigError, RunError, load_config
-
-
-def run_main(capsys, *args) -> tuple[int, str]:
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
-
-
-def one_error_line(err: str, *needles: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for needle in needles:
-        assert needle in lines[0], (needle, err)
-    return lines[0]
 
 
 def snapshot(folder):

@@ -8,29 +8,12 @@ import sys
 import time
 
 import pytest
-from conftest import tiny_overrides
+from conftest import one_error_line, run_main, tiny_overrides
 
 import visppo.checkpoint as ckpt_module
 from visppo.checkpoint import load, run_dir_lock
-from visppo.cli import main
 from visppo.config import load_config
 from visppo.train import default_run_dir
-
-
-def run_main(capsys, *args) -> tuple[int, str]:
-    try:
-        code = main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
-
-
-def one_error_line(err: str, *needles: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for needle in needles:
-        assert needle in lines[0], (needle, err)
-    return lines[0]
 
 
 @pytest.fixture

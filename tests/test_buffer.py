@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from visppo.buffer import RolloutBuffer, compute_gae, micro_batches, minibatches
+from visppo.buffer import ReturnScale, RolloutBuffer, compute_gae, micro_batches, minibatches
 
 
 def _gae(rewards, values, last, term, trunc, final, gamma=0.9, lam=0.8):
@@ -134,3 +134,37 @@ def test_pinned_buffer_gathers_through_staging_to_cuda(channels_last):
         assert out["obs.pixels"].dtype == torch.uint8
         assert out["obs.pixels"].cpu()[:, 0, 0, 0].tolist() == [7, 1, 3]
         assert out["obs.pixels"].is_contiguous(memory_format=torch.channels_last) == channels_last
+
+
+def test_return_scale_discounts_per_env_resets_at_episode_ends_and_carries_on():
+    scale = ReturnScale(num_envs=2, gamma=0.5)
+    rewards = torch.tensor([[1.0, 0.5], [2.0, 0.5], [3.0, 0.5]])
+    ended = torch.tensor([[False, False], [True, False], [False, False]])
+    g = scale.discounted_returns(rewards, ended)
+    # env 0: 1, 0.5*1+2 = 2.5 (ends), 3; env 1: 0.5, 0.75, 0.875
+    assert torch.allclose(g, torch.tensor([[1.0, 0.5], [2.5, 0.75], [3.0, 0.875]], dtype=torch.float64))
+    g2 = scale.discounted_returns(torch.tensor([[1.0, 1.0]]), torch.tensor([[True, False]]))
+    assert torch.allclose(g2, torch.tensor([[2.5, 1.4375]], dtype=torch.float64))  # 0.5*3+1, 0.5*0.875+1
+    assert scale.running.tolist() == [0.0, 1.4375]  # env 0's episode ended
+
+
+def test_return_scale_statistics_equal_numpy_over_everything_seen_in_any_batching():
+    rng = np.random.default_rng(0)
+    values = rng.normal(3.0, 2.0, size=1000)
+    one, many = ReturnScale(1, 0.9), ReturnScale(1, 0.9)
+    one.add(torch.tensor(values))
+    for part in np.split(values, [1, 7, 300, 301, 999]):
+        many.add(torch.tensor(part))
+    for s in (one, many):  # the prior (count 1e-4, var 1) weighs 1e-7 of the data
+        assert s.mean == pytest.approx(values.mean(), rel=1e-5)
+        assert s.var == pytest.approx(values.var(), rel=1e-5)
+    assert many.mean == pytest.approx(one.mean, rel=1e-12) and many.var == pytest.approx(one.var, rel=1e-12)
+    assert one.std == pytest.approx(values.std(), rel=1e-5)
+
+
+def test_return_scale_state_round_trips():
+    a = ReturnScale(3, 0.99)
+    a.add(a.discounted_returns(torch.rand(5, 3), torch.rand(5, 3) > 0.7))
+    b = ReturnScale(3, 0.99)
+    b.load_state_dict(a.state_dict())
+    assert (b.count, b.mean, b.var) == (a.count, a.mean, a.var) and torch.equal(b.running, a.running)

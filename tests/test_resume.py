@@ -26,8 +26,11 @@ class Interrupted(Exception):
     pass
 
 
-def test_a_resumed_run_ends_with_the_same_parameters_as_an_uninterrupted_one(tmp_path, monkeypatch):
-    full = train(load_config(None, tiny_overrides(tmp_path / "full", **EXACT)))
+@pytest.mark.parametrize("extra", [{}, {"ppo.norm_reward": "true"}], ids=["plain", "norm_reward"])
+def test_a_resumed_run_ends_with_the_same_parameters_as_an_uninterrupted_one(tmp_path, monkeypatch, extra):
+    """With ppo.norm_reward the return statistics must be restored too: the scale after the cut
+    depends on every reward seen before it."""
+    full = train(load_config(None, tiny_overrides(tmp_path / "full", **EXACT, **extra)))
 
     real_save = ckpt_module.save_checkpoint
 
@@ -39,7 +42,7 @@ def test_a_resumed_run_ends_with_the_same_parameters_as_an_uninterrupted_one(tmp
 
     monkeypatch.setattr(ckpt_module, "save_checkpoint", crash_after_second)
     with pytest.raises(Interrupted):
-        train(load_config(None, tiny_overrides(tmp_path / "cut", **EXACT)))
+        train(load_config(None, tiny_overrides(tmp_path / "cut", **EXACT, **extra)))
     monkeypatch.undo()
     cfg, ckpt = load_for_resume(tmp_path / "cut" / "run")
     assert ckpt["iteration"] == 2 and ckpt["global_step"] == 128
@@ -48,6 +51,8 @@ def test_a_resumed_run_ends_with_the_same_parameters_as_an_uninterrupted_one(tmp
     a = load(full / "checkpoints" / "latest.pt")
     b = load(resumed / "checkpoints" / "latest.pt")
     assert a["global_step"] == b["global_step"] == 256
+    if extra:
+        assert a["reward_scale"]["count"] == b["reward_scale"]["count"] == pytest.approx(256, abs=1e-3)
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
     steps = [int(r["global_step"]) for r in csv.DictReader((resumed / "metrics.csv").open())]

@@ -171,3 +171,31 @@ def test_phase_times_are_logged_and_profile_records_one_iteration(tmp_path):
     raw = traces[0].read_bytes()
     names = {e.get("name") for e in json.loads(gzip.decompress(raw) if traces[0].suffix == ".gz" else raw)["traceEvents"]}
     assert {"collect", "values", "update", "log"} <= names
+
+
+def test_norm_reward_hands_the_update_the_same_rewards_whatever_the_task_scale():
+    """Rewards 1000x larger give the same scaled rewards (GAE and the value loss then see the
+    same numbers); scaled rewards have about unit discounted-return std."""
+    import gymnasium as gym
+    import numpy as np
+
+    from visppo import distributed
+    from visppo.buffer import ReturnScale, RolloutBuffer
+    from visppo.train import scale_rewards
+
+    space = gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (3, 8, 8), np.uint8)})
+    act = gym.spaces.Box(-1, 1, (2,), np.float32)
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.rand(64, 4, generator=gen)
+    ends = torch.rand(64, 4, generator=gen) > 0.95
+    scaled = []
+    for factor in (1.0, 1000.0):
+        buf = RolloutBuffer(64, 4, space, act)
+        buf.rewards[:] = rewards * factor
+        buf.terminated[:] = ends
+        scale = ReturnScale(4, 0.99)
+        scale_rewards(buf, scale, distributed.Context.from_env())
+        scaled.append(buf.rewards.clone())
+    assert torch.allclose(scaled[0], scaled[1], rtol=1e-4)
+    check = ReturnScale(4, 0.99)
+    assert check.discounted_returns(scaled[0], ends).std().item() == pytest.approx(1.0, rel=0.05)

@@ -9,6 +9,7 @@ buffer sits in pinned host memory, so minibatches move with
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import gymnasium as gym
@@ -42,6 +43,57 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, last_value: torch.T
         next_adv = delta + gamma * lam * (1.0 - ended[t]) * next_adv
         advantages[t] = next_adv
     return advantages, advantages + values
+
+
+class ReturnScale:
+    """Running standard deviation of the discounted return, to scale rewards (``ppo.norm_reward``).
+
+    Tasks differ in reward scale by orders of magnitude (a DMC episode sums up to 1000,
+    Reach's about 15): unscaled, the value loss of a large-reward task dominates the
+    clipped gradient and the critic's targets drift far from the head's initial scale.
+    As Stable-Baselines3's ``VecNormalize(norm_reward=True)``: each env keeps its
+    discounted return ``G <- gamma * G + r`` (reset to 0 after an episode ends), the
+    variance of all ``G`` seen so far is tracked, and rewards are divided by its std
+    (not centred: a shift would change which episodes' ends are good). Updated once per
+    rollout from the whole rollout, so every sample of an iteration has the same scale.
+    """
+
+    def __init__(self, num_envs: int, gamma: float, epsilon: float = 1e-8):
+        self.gamma, self.epsilon = gamma, epsilon
+        self.running = torch.zeros(num_envs, dtype=torch.float64)
+        """Each env's discounted return so far in its current episode."""
+        self.count, self.mean, self.var = 1e-4, 0.0, 1.0  # as SB3's RunningMeanStd starts
+
+    def discounted_returns(self, rewards: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
+        """``[T, N]`` discounted returns of one rollout, carrying each env's running one on."""
+        out = torch.empty(rewards.shape, dtype=torch.float64)
+        for t in range(rewards.shape[0]):
+            self.running = self.gamma * self.running + rewards[t].double()
+            out[t] = self.running
+            self.running = torch.where(ended[t], 0.0, self.running)
+        return out
+
+    def add(self, returns: torch.Tensor) -> None:
+        """Merge a batch of returns into the running mean and variance (Chan et al.'s parallel rule)."""
+        n = returns.numel()
+        if n == 0:
+            return
+        b_mean, b_var = returns.double().mean().item(), returns.double().var(unbiased=False).item()
+        total = self.count + n
+        delta = b_mean - self.mean
+        m2 = self.var * self.count + b_var * n + delta**2 * self.count * n / total
+        self.mean, self.var, self.count = self.mean + delta * n / total, m2 / total, total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var + self.epsilon)
+
+    def state_dict(self) -> dict:
+        return {"running": self.running.clone(), "count": self.count, "mean": self.mean, "var": self.var}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.running = state["running"].clone().double()
+        self.count, self.mean, self.var = float(state["count"]), float(state["mean"]), float(state["var"])
 
 
 class RolloutBuffer:

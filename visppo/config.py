@@ -140,6 +140,8 @@ class PPOConfig:
     """Clip the global gradient norm of each optimizer step to this."""
     norm_adv: bool = True
     """Normalise advantages over each minibatch."""
+    norm_reward: bool = False
+    """Divide rewards by a running std of the discounted return before GAE, so value targets stay near unit scale whatever the task's reward scale (logged returns stay raw)."""
     target_kl: float = 0.0
     """Stop the iteration's update when a minibatch's approx KL exceeds 1.5x this; 0 disables."""
     recompute_logp_old: bool = False

@@ -29,7 +29,7 @@ import torch
 
 from visppo import checkpoint as ckpt_io
 from visppo import distributed
-from visppo.buffer import RolloutBuffer, compute_gae
+from visppo.buffer import ReturnScale, RolloutBuffer, compute_gae
 from visppo.builders import (
     anneal_lr,
     build_optimizer,
@@ -117,6 +117,8 @@ class Run:
     """When the previous iteration's steps/s was measured (it spans a whole iteration)."""
     signals: SignalRequest | None = None
     """The SIGINT / SIGTERM received during the run (asks for a final checkpoint)."""
+    reward_scale: ReturnScale | None = None
+    """With ``ppo.norm_reward``: the return statistics that scale the buffer's rewards."""
 
     @property
     def global_rollout(self) -> int:
@@ -250,10 +252,11 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
         distributed.broadcast_parameters(policy)
         if policy.augment is not None and ctx.rank:  # each rank its own augmentation draws
             policy.augment.generator.manual_seed(seed)
+    reward_scale = ReturnScale(cfg.ppo.num_envs, cfg.ppo.gamma) if cfg.ppo.norm_reward else None
     first_iteration, global_step = 1, 0
     if resume is not None:
         first_iteration, global_step = ckpt_io.restore(resume, policy, optimizer, precision.update.scaler,
-                                                       generator, envs)
+                                                       generator, envs, reward_scale)
     freeze = (FreezeSchedule(policy.encoders(), cfg.model.freeze_encoder_updates, optimizer)
               if cfg.model.freeze_encoder_updates else None)  # before_step: trunks frozen for K steps
     on_device = cfg.memory.buffer_device == "device"
@@ -269,7 +272,7 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
                         precision.update, generator, before_step=freeze, across_ranks=ctx.enabled)
     acting = ActingCopy(policy, rollout_device) if rollout_device != device else None
     return Run(cfg, ctx, run_dir, device, rollout_device, precision, envs, policy, optimizer, setup,
-               buffer, state, acting, first_iteration, global_step)
+               buffer, state, acting, first_iteration, global_step, reward_scale=reward_scale)
 
 
 def open_logs(run: Run, resuming: bool) -> None:
@@ -348,12 +351,28 @@ def memory_sizes(cfg: Config, device: torch.device, resume: dict | None,
 
 
 def collect_rollout(run: Run) -> list[dict]:
-    """Act in the envs for one rollout (on the rollout device's copy, refreshed once per iteration)."""
+    """Act in the envs for one rollout (on the rollout device's copy, refreshed once per iteration);
+    with ``ppo.norm_reward``, the buffer's rewards are then scaled (the episodes' returns stay raw)."""
     run.policy.eval()
     if run.acting is not None:
         run.acting.sync(run.policy)
     actor = run.acting.module if run.acting is not None else run.policy
-    return collect(run.envs, actor, run.buffer, run.state, run.rollout_device, run.precision.acting.autocast())
+    episodes = collect(run.envs, actor, run.buffer, run.state, run.rollout_device,
+                       run.precision.acting.autocast())
+    if run.reward_scale is not None:
+        scale_rewards(run.buffer, run.reward_scale, run.ctx)
+    return episodes
+
+
+def scale_rewards(buffer: RolloutBuffer, scale: ReturnScale, ctx: distributed.Context) -> None:
+    """Add this rollout's discounted returns (every rank's: one scale for all) to the statistics,
+    then divide the rollout's rewards by their std."""
+    ended = (buffer.terminated | buffer.truncated).cpu()
+    returns = scale.discounted_returns(buffer.rewards.cpu(), ended)
+    if ctx.enabled:
+        returns = torch.cat([r.reshape(-1) for r in distributed.all_gather(returns)])
+    scale.add(returns)
+    buffer.rewards /= scale.std
 
 
 def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult,
@@ -402,7 +421,7 @@ def maybe_checkpoint(run: Run, iteration: int) -> None:
 
 def save_checkpoint(run: Run, iteration: int) -> None:
     """Every rank's streams, saved by rank 0."""
-    mine = ckpt_io.rank_state(run.setup.generator, run.envs, run.policy.augment)
+    mine = ckpt_io.rank_state(run.setup.generator, run.envs, run.policy.augment, run.reward_scale)
     ranks = distributed.all_gather(mine) if run.ctx.enabled else [mine]
     if run.ctx.is_main:
         sizes = {"micro": run.setup.sizes.micro, "chunk": run.setup.sizes.chunk}

@@ -80,6 +80,25 @@ def test_learning_table_takes_mean_and_std_over_seeds_at_each_step_count(tmp_pat
     assert (tmp_path / "s.png").read_bytes() != (tmp_path / "c.png").read_bytes()  # another column drawn
 
 
+def test_learning_table_compares_variants_of_an_ablation_row_by_row(tmp_path):
+    base, variant = tmp_path / "abl" / "base", tmp_path / "abl" / "norm_reward"
+    _fake_run(base / "reach" / "seed1", "visppo/Reach-v0", 2000, [(1000, 1.0, 0.0), (2000, 3.0, 0.5)])
+    _fake_run(variant / "reach" / "seed1", "visppo/Reach-v0", 2000, [(1000, 2.0, 0.0), (2000, 6.0, 1.0)])
+    _fake_run(variant / "reach" / "seed2", "visppo/Reach-v0", 2000, [(1000, 2.0, 0.0), (2000, 8.0, 1.0)])
+    md = tmp_path / "abl.md"
+    proc = subprocess.run([sys.executable, str(TOOLS / "learning_table.py"), "table", str(base), str(variant),
+                           "--at", "2k", "--markdown", str(md), "--plot", str(tmp_path / "abl.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split(" | ") for line in md.read_text().splitlines() if line.startswith("| reach")]
+    assert [(r[0], r[3], r[4]) for r in rows] == [("| reach (base)", "1", "3.00 ± 0.00"),
+                                                  ("| reach (norm_reward)", "2", "7.00 ± 1.41")]
+    assert (tmp_path / "abl.png").stat().st_size > 0
+    proc = subprocess.run([sys.executable, str(TOOLS / "learning_table.py"), "table", str(base),
+                           str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and "nowhere" in proc.stderr
+
+
 def test_learning_table_run_skips_finished_runs_and_resumes_stopped_ones(tmp_path):
     sys.path.insert(0, str(TOOLS))
     try:

@@ -4,6 +4,7 @@
         --out runs/table [--parallel 2] [key=value ...]
     python tools/learning_table.py table runs/table --at 100k 250k 500k [--markdown F] [--plot F]
         [--column eval/success]
+    python tools/learning_table.py table runs/abl/base runs/abl/norm_reward --at 100k --plot F
 
 ``run`` trains every config with every seed (``train.seed=S``, ``train.threads=1``, at most
 ``--parallel`` at once: on 2 cores, 2), each in ``OUT/<config>/seed<S>``, logs in its run
@@ -14,6 +15,10 @@ where the task reports it; the mean of the last 100 episodes, as logged), the ev
 return where periodic evaluation ran, the wall-clock minutes, and, where one exists for the
 same task and step budget, a published figure with its source. ``--plot`` draws the curves as
 mean +- std bands over seeds.
+
+An ablation is one ``run`` folder per variant (``--out runs/abl/<variant>`` with the variant's
+``key=value``): ``table`` given several folders labels each row ``config (variant)`` and draws
+the variants of a config in one panel, side by side.
 """
 
 from __future__ import annotations
@@ -128,19 +133,28 @@ def wall_minutes(rows: list[dict[str, float]], step: int) -> float:
     return total / 60
 
 
-def summarize(out: Path, steps: list[int]) -> list[dict]:
-    """One row per (config, step count): mean and std over seeds of each measured figure."""
+def groups(outs: list[Path]) -> list[tuple[str, str, list[Path]]]:
+    """(config, label, seed run dirs) per config folder of each ``run`` folder; the label is the
+    config's name, followed by the folder's (the variant's) when several folders are compared."""
+    found = []
+    for out in outs:
+        for group in sorted(p for p in out.iterdir() if p.is_dir()):
+            runs = sorted(d for d in group.glob("seed*") if (d / "metrics.csv").is_file())
+            if runs:
+                found.append((group.name, group.name if len(outs) == 1 else f"{group.name} ({out.name})", runs))
+    return sorted(found, key=lambda g: g[0])  # a config's variants together, in the folders' order
+
+
+def summarize(outs: list[Path], steps: list[int]) -> list[dict]:
+    """One row per (config, variant, step count): mean and std over seeds of each measured figure."""
     import yaml
 
     table = []
-    for group in sorted(p for p in out.iterdir() if p.is_dir()):
-        runs = sorted(d for d in group.glob("seed*") if (d / "metrics.csv").is_file())
-        if not runs:
-            continue
+    for _, label, runs in groups(outs):
         env_id = yaml.safe_load((runs[0] / "config.yaml").read_text())["env"]["id"]
         rows = {d.name: read_rows(d) for d in runs}
         for step in steps:
-            row = {"config": group.name, "env": env_id, "steps": step, "seeds": 0}
+            row = {"config": label, "env": env_id, "steps": step, "seeds": 0}
             for column in ("episode_return", "episode_success", "eval/return", "eval/success"):
                 values = [v for v in (value_at(r, column, step) for r in rows.values()) if math.isfinite(v)]
                 row[column] = _mean_std(values)
@@ -176,38 +190,46 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(out: Path, path: Path, column: str = "episode_return") -> None:
-    """Curves per config: mean +- std over seeds, on a common step grid."""
+def plot(outs: list[Path], path: Path, column: str = "episode_return") -> None:
+    """A panel per config, a curve per variant: mean +- std over seeds, on a common step grid."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    groups = [g for g in sorted(out.iterdir()) if g.is_dir() and list(g.glob("seed*/metrics.csv"))]
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.5), squeeze=False)
-    for ax, group in zip(axes[0], groups):
-        runs = [read_rows(d) for d in sorted(group.glob("seed*")) if (d / "metrics.csv").is_file()]
-        end = min(r[-1]["global_step"] for r in runs)
-        grid = np.linspace(0, end, 100)
-        curves = []
-        for r in runs:
-            points = [(x["global_step"], x[column]) for x in r if math.isfinite(x.get(column, math.nan))]
-            xs, ys = zip(*points) if points else ((0.0,), (math.nan,))
-            curves.append(np.interp(grid, xs, ys, left=math.nan))
-        curves = np.array(curves)
-        with warnings.catch_warnings():  # before a run's first episode ends, no seed has a value
-            warnings.simplefilter("ignore", RuntimeWarning)
-            mean, std = np.nanmean(curves, 0), np.nanstd(curves, 0)
-        ax.plot(grid, mean, label=f"{len(runs)} seed(s)")
-        ax.fill_between(grid, mean - std, mean + std, alpha=0.3)
-        ax.set_title(group.name)
+    found = groups(outs)
+    configs = list(dict.fromkeys(config for config, _, _ in found))
+    fig, axes = plt.subplots(1, len(configs), figsize=(4.5 * len(configs), 3.5), squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        for _, label, runs in (g for g in found if g[0] == config):
+            name = label[len(config):].strip(" ()") if len(outs) > 1 else ""
+            _band(ax, [read_rows(d) for d in runs], column, name)
+        ax.set_title(config)
         ax.set_xlabel("env steps")
         ax.set_ylabel(column)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _band(ax, runs: list[list[dict[str, float]]], column: str, name: str) -> None:
+    """One variant's mean curve and its +- std band over seeds."""
+    import numpy as np
+
+    end = min(r[-1]["global_step"] for r in runs)
+    grid = np.linspace(0, end, 100)
+    curves = []
+    for r in runs:
+        points = [(x["global_step"], x[column]) for x in r if math.isfinite(x.get(column, math.nan))]
+        xs, ys = zip(*points) if points else ((0.0,), (math.nan,))
+        curves.append(np.interp(grid, xs, ys, left=math.nan))
+    curves = np.array(curves)
+    with warnings.catch_warnings():  # before a run's first episode ends, no seed has a value
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean, std = np.nanmean(curves, 0), np.nanstd(curves, 0)
+    line, = ax.plot(grid, mean, label=f"{name + ', ' if name else ''}{len(runs)} seed(s)")
+    ax.fill_between(grid, mean - std, mean + std, alpha=0.25, color=line.get_color())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--parallel", type=int, default=2)
     t = sub.add_parser("table", help="tabulate a run folder")
-    t.add_argument("out", type=Path)
+    t.add_argument("out", type=Path, nargs="+", help="run folders; several: one per variant of an ablation")
     t.add_argument("--at", nargs="+", default=["100k", "250k", "500k"])
     t.add_argument("--markdown", type=Path)
     t.add_argument("--plot", type=Path)
@@ -234,8 +256,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: config file(s) not found: {', '.join(map(str, missing)) or 'none given'}", file=sys.stderr)
             return 2
         return 1 if run_all(configs, ns.seeds, ns.out, ns.parallel, overrides) else 0
-    if rest or not ns.out.is_dir():
-        print(f"error: {'unknown arguments ' + ' '.join(rest) if rest else f'{ns.out} is not a folder'}",
+    missing = [str(o) for o in ns.out if not o.is_dir()]
+    if rest or missing:
+        print(f"error: {'unknown arguments ' + ' '.join(rest) if rest else ', '.join(missing) + ' is not a folder'}",
               file=sys.stderr)
         return 2
     text = markdown(summarize(ns.out, [parse_steps(s) for s in ns.at]))

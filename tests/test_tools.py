@@ -49,9 +49,9 @@ def test_bench_update_compares_a_plain_update_with_visppos_and_writes_json(tmp_p
     assert rows[0]["ratio"] == 1.0
 
 
-def _fake_run(run_dir: Path, env_id: str, total: int, rows: list[tuple[int, float, float]]) -> None:
+def _fake_run(run_dir: Path, env_id: str, total: int, rows: list[tuple[int, float, float]], env: str = "") -> None:
     run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(f"env:\n  id: {env_id}\nppo:\n  total_steps: {total}\n")
+    (run_dir / "config.yaml").write_text(f"env:\n  id: {env_id}\n{env}ppo:\n  total_steps: {total}\n")
     lines = ["global_step,episode_return,episode_success,steps_per_second"]
     lines += [f"{s},{r},{ok},100.0" for s, r, ok in rows]
     (run_dir / "metrics.csv").write_text("\n".join(lines) + "\n")
@@ -85,6 +85,8 @@ def test_learning_table_compares_variants_of_an_ablation_row_by_row(tmp_path):
     _fake_run(base / "reach" / "seed1", "visppo/Reach-v0", 2000, [(1000, 1.0, 0.0), (2000, 3.0, 0.5)])
     _fake_run(variant / "reach" / "seed1", "visppo/Reach-v0", 2000, [(1000, 2.0, 0.0), (2000, 6.0, 1.0)])
     _fake_run(variant / "reach" / "seed2", "visppo/Reach-v0", 2000, [(1000, 2.0, 0.0), (2000, 8.0, 1.0)])
+    _fake_run(base / "swingup" / "seed1", "dmc:cartpole-swingup", 2000, [(2000, 140.0, "")],
+              env="  kwargs:\n    look: fast\n")
     md = tmp_path / "abl.md"
     proc = subprocess.run([sys.executable, str(TOOLS / "learning_table.py"), "table", str(base), str(variant),
                            "--at", "2k", "--markdown", str(md), "--plot", str(tmp_path / "abl.png")],
@@ -93,6 +95,8 @@ def test_learning_table_compares_variants_of_an_ablation_row_by_row(tmp_path):
     rows = [line.split(" | ") for line in md.read_text().splitlines() if line.startswith("| reach")]
     assert [(r[0], r[3], r[4]) for r in rows] == [("| reach (base)", "1", "3.00 ± 0.00"),
                                                   ("| reach (norm_reward)", "2", "7.00 ± 1.41")]
+    swingup = [line for line in md.read_text().splitlines() if line.startswith("| swingup")]
+    assert swingup[0].split(" | ")[1] == "`dmc:cartpole-swingup` (fast look)"  # the table says which look
     assert (tmp_path / "abl.png").stat().st_size > 0
     proc = subprocess.run([sys.executable, str(TOOLS / "learning_table.py"), "table", str(base),
                            str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120)

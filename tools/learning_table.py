@@ -151,10 +151,11 @@ def summarize(outs: list[Path], steps: list[int]) -> list[dict]:
 
     table = []
     for _, label, runs in groups(outs):
-        env_id = yaml.safe_load((runs[0] / "config.yaml").read_text())["env"]["id"]
+        env = yaml.safe_load((runs[0] / "config.yaml").read_text())["env"]
+        env_id, look = env["id"], (env.get("kwargs") or {}).get("look")  # dmc: which look drew the frames
         rows = {d.name: read_rows(d) for d in runs}
         for step in steps:
-            row = {"config": label, "env": env_id, "steps": step, "seeds": 0}
+            row = {"config": label, "env": env_id, "look": look, "steps": step, "seeds": 0}
             for column in ("episode_return", "episode_success", "eval/return", "eval/success"):
                 values = [v for v in (value_at(r, column, step) for r in rows.values()) if math.isfinite(v)]
                 row[column] = _mean_std(values)
@@ -184,7 +185,8 @@ def markdown(table: list[dict]) -> str:
         if not r["seeds"]:
             continue
         published = "; ".join(f"{m} {s} ({src})" for m, s, src in r["published"])
-        lines.append(f"| {r['config']} | `{r['env']}` | {r['steps']:,} | {r['seeds']} | "
+        env = f"`{r['env']}`" + (f" ({r['look']} look)" if r.get("look") else "")
+        lines.append(f"| {r['config']} | {env} | {r['steps']:,} | {r['seeds']} | "
                      f"{cell(r['episode_return'])} | {cell(r['episode_success'])} | {cell(r['eval/return'])} | "
                      f"{cell(r['eval/success'])} | {cell(r['minutes'], 0)} | {published} |")
     return "\n".join(lines)

@@ -226,7 +226,7 @@ def test_two_all_reduces_per_optimizer_step(two_ranks):
 # episodes of 16 steps, rollouts of 32: every iteration starts on fresh episodes (exact resume)
 EXACT = {"env.max_episode_steps": 16, "ppo.total_steps": 384, "run.checkpoint_every": 1,
          "train.deterministic": "true", "ppo.minibatch_size": 24, "memory.micro_batch_size": 10,
-         "run.tensorboard": "true", "model.augment": "shift", "ppo.drac_coef": 0.1}
+         "run.tensorboard": "true", "model.augment": "shift", "ppo.drac_coef": 0.1, "ppo.norm_reward": "true"}
 
 
 def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
@@ -253,6 +253,10 @@ def test_torchrun_two_processes_rank_0_writes_and_the_run_resumes_exactly(tmp_pa
     assert not torch.equal(ckpt["ranks"][0]["rng"]["torch"], ckpt["ranks"][1]["rng"]["torch"])
     # each rank draws its own augmentation shifts (seeded by rank)
     assert not torch.equal(ckpt["ranks"][0]["augment_generator"], ckpt["ranks"][1]["augment_generator"])
+    # ppo.norm_reward: one reward scale for all ranks, from every rank's returns (2 x 64 per iteration)
+    scales = [r["reward_scale"] for r in ckpt["ranks"]]
+    assert scales[0]["count"] == scales[1]["count"] == pytest.approx(384, abs=1e-3)
+    assert (scales[0]["mean"], scales[0]["var"]) == (scales[1]["mean"], scales[1]["var"])
 
     cut = tmp_path / "cut"  # the same run as if it had stopped after iteration 2
     shutil.copytree(full, cut)

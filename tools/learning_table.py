@@ -134,14 +134,14 @@ def wall_minutes(rows: list[dict[str, float]], step: int) -> float:
 
 
 def groups(outs: list[Path]) -> list[tuple[str, str, list[Path]]]:
-    """(config, label, seed run dirs) per config folder of each ``run`` folder; the label is the
-    config's name, followed by the folder's (the variant's) when several folders are compared."""
+    """(config, variant, seed run dirs) per config folder of each ``run`` folder; the variant is
+    the ``run`` folder's name when several are compared, else empty."""
     found = []
     for out in outs:
         for group in sorted(p for p in out.iterdir() if p.is_dir()):
             runs = sorted(d for d in group.glob("seed*") if (d / "metrics.csv").is_file())
             if runs:
-                found.append((group.name, group.name if len(outs) == 1 else f"{group.name} ({out.name})", runs))
+                found.append((group.name, out.name if len(outs) > 1 else "", runs))
     return sorted(found, key=lambda g: g[0])  # a config's variants together, in the folders' order
 
 
@@ -150,12 +150,12 @@ def summarize(outs: list[Path], steps: list[int]) -> list[dict]:
     import yaml
 
     table = []
-    for _, label, runs in groups(outs):
+    for config, variant, runs in groups(outs):
         env = yaml.safe_load((runs[0] / "config.yaml").read_text())["env"]
         env_id, look = env["id"], (env.get("kwargs") or {}).get("look")  # dmc: which look drew the frames
         rows = {d.name: read_rows(d) for d in runs}
         for step in steps:
-            row = {"config": label, "env": env_id, "look": look, "steps": step, "seeds": 0}
+            row = {"config": f"{config} ({variant})" if variant else config, "env": env_id, "look": look, "steps": step, "seeds": 0}
             for column in ("episode_return", "episode_success", "eval/return", "eval/success"):
                 values = [v for v in (value_at(r, column, step) for r in rows.values()) if math.isfinite(v)]
                 row[column] = _mean_std(values)
@@ -203,9 +203,8 @@ def plot(outs: list[Path], path: Path, column: str = "episode_return") -> None:
     configs = list(dict.fromkeys(config for config, _, _ in found))
     fig, axes = plt.subplots(1, len(configs), figsize=(4.5 * len(configs), 3.5), squeeze=False)
     for ax, config in zip(axes[0], configs):
-        for _, label, runs in (g for g in found if g[0] == config):
-            name = label[len(config):].strip(" ()") if len(outs) > 1 else ""
-            _band(ax, [read_rows(d) for d in runs], column, name)
+        for _, variant, runs in (g for g in found if g[0] == config):
+            _band(ax, [read_rows(d) for d in runs], column, variant)
         ax.set_title(config)
         ax.set_xlabel("env steps")
         ax.set_ylabel(column)

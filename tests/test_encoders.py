@@ -164,3 +164,40 @@ def test_impala_residual_layout():
     enc = ImpalaCNN(3, 64, 32)
     assert len(enc.stages) == 3 and enc(_frames(2, 3, 64)).shape == (2, 32)
     assert isinstance(torchvision.models.get_model("resnet18", weights=None), torch.nn.Module)
+
+
+# --------------------------------------------------------------------------- spatial softmax (issue 16)
+
+def test_spatial_softmax_keypoints_are_the_peaks_image_coordinates():
+    """A sharp peak at (row r, column c) of a map gives that cell's (x, y) in [-1, 1]; a flat map the centre."""
+    from visppo.encoders import SpatialSoftmaxCNN
+
+    enc = SpatialSoftmaxCNN(3, 36, 8, keypoints=2)  # (36 - 8) // 4 + 1 = 8x8 maps
+    maps = torch.zeros(1, 2, 8, 8)
+    maps[0, 0, 1, 6] = 100.0  # keypoint 0: row 1, column 6
+    xy = enc.keypoint_xy(maps)  # keypoint 1's map is flat
+    grid = torch.linspace(-1, 1, 8)
+    torch.testing.assert_close(xy, torch.tensor([[grid[6], 0.0, grid[1], 0.0]]), atol=1e-5, rtol=0)
+    # the expectation lies between cells: two equal peaks give their midpoint
+    maps[0, 0, 1, 4] = 100.0
+    torch.testing.assert_close(enc.keypoint_xy(maps)[0, 0], (grid[4] + grid[6]) / 2, atol=1e-5, rtol=0)
+
+
+def test_spatial_softmax_follows_a_moving_object():
+    """With the trunk set to detect red, the keypoint moves with a red square across the frame."""
+    from visppo.encoders import SpatialSoftmaxCNN
+
+    enc = SpatialSoftmaxCNN(3, 64, 8, keypoints=1)
+    with torch.no_grad():
+        for conv in enc.convs[::2]:
+            conv.weight.zero_()
+            conv.bias.zero_()
+        enc.convs[0].weight[0, 0] = 1.0 / 64  # channel 0 of layer 1: mean red over its 8x8 window
+        enc.convs[2].weight[0, 0, 1, 1] = 1.0  # layer 2 passes it on
+        enc.convs[4].weight[0, 0] = 50.0  # keypoint map: sharp
+    xs = []
+    for col in (8, 28, 48):
+        frame = torch.zeros(1, 3, 64, 64, dtype=torch.uint8)
+        frame[0, 0, 28:36, col:col + 8] = 255
+        xs.append(enc.keypoint_xy(enc.convs(frame.float() / 255))[0, 0].item())
+    assert xs[0] < -0.4 and abs(xs[1]) < 0.2 and xs[2] > 0.4, xs

@@ -48,7 +48,7 @@ class Stopped(Exception):
 
 TORCHVISION_ENCODERS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
 """model.encoder names built by torchvision (visppo.encoders knows how to cut each family)."""
-ENCODERS = ("nature", "impala", *TORCHVISION_ENCODERS)
+ENCODERS = ("nature", "impala", "spatial_softmax", *TORCHVISION_ENCODERS)
 AUGMENTATIONS = ("none", "shift")
 
 
@@ -81,7 +81,7 @@ class EnvConfig:
 @dataclass
 class ModelConfig:
     encoder: str = "nature"
-    """Image encoder: nature | impala (CNNs from scratch) | resnet18 | resnet34 | resnet50 | mobilenet_v3_small | efficientnet_b0 (torchvision)."""
+    """Image encoder: nature | impala | spatial_softmax (CNNs from scratch; spatial_softmax outputs keypoint positions) | resnet18 | resnet34 | resnet50 | mobilenet_v3_small | efficientnet_b0 (torchvision)."""
     encoder_weights: str = "none"
     """none | imagenet (torchvision's file in $TORCH_HOME/hub/checkpoints, never downloaded) | PATH (torchvision state dict or visppo checkpoint)."""
     freeze_encoder_updates: int = 0
@@ -89,7 +89,7 @@ class ModelConfig:
     encoder_lr_scale: float = 1.0
     """The encoder trunk's learning rate is ppo.learning_rate times this (its own optimizer param group)."""
     encoder_checkpointing: bool = False
-    """Recompute the trunk's activations block by block in backward (less memory, about 1/3 more compute); not for nature."""
+    """Recompute the trunk's activations block by block in backward (less memory, about 1/3 more compute); not for nature or spatial_softmax."""
     resize: int = 0
     """Resize frames to this side before a torchvision backbone (224 is ImageNet's); 0 keeps env.image_size."""
     augment: str = "none"
@@ -548,6 +548,8 @@ def _validate_choices(cfg: Config) -> None:
         raise ConfigError(f"memory.budget: {exc}") from None
     if cfg.env.image_size < 36 and cfg.model.encoder == "nature":
         raise ConfigError(f"env.image_size must be >= 36 for the nature encoder, got {cfg.env.image_size}")
+    if cfg.env.image_size < 12 and cfg.model.encoder == "spatial_softmax":
+        raise ConfigError(f"env.image_size must be >= 12 for the spatial_softmax encoder, got {cfg.env.image_size}")
 
 
 def _validate_finetuning(cfg: Config) -> None:
@@ -567,9 +569,9 @@ def _validate_finetuning(cfg: Config) -> None:
     if m.resize and not torchvision:
         raise ConfigError(f"model.resize applies to torchvision backbones, not model.encoder={m.encoder}: "
                           "set env.image_size instead")
-    if m.encoder_checkpointing and m.encoder == "nature":
+    if m.encoder_checkpointing and m.encoder in ("nature", "spatial_softmax"):
         raise ConfigError("model.encoder_checkpointing needs a backbone made of blocks (impala or a "
-                          "torchvision one), not nature: set it to false")
+                          f"torchvision one), not {m.encoder}: set it to false")
     side = m.resize or cfg.env.image_size
     if torchvision and side < 32:
         raise ConfigError(f"model.encoder={m.encoder} needs frames of at least 32x32, got {side}: "

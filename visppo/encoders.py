@@ -13,6 +13,9 @@ pretrained; what ``model.freeze_encoder_updates`` freezes and
 
 - ``nature``: the Nature-DQN CNN, all stacked frames as input channels;
 - ``impala``: the IMPALA CNN (Espeholt et al. 2018), likewise;
+- ``spatial_softmax``: a small CNN whose feature maps are turned into keypoints
+  (each map's softmax-weighted mean image position; Levine et al. 2016), for
+  tasks where *where* things are is what matters (reaching, pushing);
 - a torchvision architecture (``resnet18``, ``mobilenet_v3_small``, ...):
   built with ``weights=None``, classification head removed, ImageNet
   normalisation, optional resize, and a stack of k RGB frames run frame by
@@ -119,6 +122,54 @@ class NatureCNN(PixelEncoder):
         with self._no_grad_if_frozen():
             x = self.convs(_uint8_to_conv_input(pixels))
         return self.proj(x)
+
+
+class SpatialSoftmaxCNN(PixelEncoder):
+    """Conv features -> ``keypoints`` (x, y) positions by spatial softmax -> linear projection.
+
+    Levine, Finn et al. 2016 ("End-to-end training of deep visuomotor policies"),
+    robomimic's default image encoder. Each keypoint map's softmax over the image
+    (with a learnt temperature) weights a grid of image coordinates in [-1, 1]; the
+    expected coordinate is the keypoint. A policy that must move the arm to a seen
+    object then reads positions directly instead of decoding them from a flattened
+    map, and the expected value places a keypoint between grid cells, finer than
+    the stride-4 grid it is computed on. The trunk is the Nature-DQN first layer
+    (stride 4) and a same-size 3x3 layer, so it costs about twice ``nature``.
+    """
+
+    def __init__(self, in_channels: int, image_size: int, feature_dim: int, keypoints: int = 32):
+        super().__init__()
+        self.convs = nn.Sequential(
+            nn.Conv2d(in_channels, 32, 8, stride=4), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, stride=1, padding=1), nn.ReLU(),
+            nn.Conv2d(64, keypoints, 1),
+        )
+        side = (image_size - 8) // 4 + 1
+        if side < 2:
+            raise ConfigError(f"model.encoder=spatial_softmax needs frames of at least 12 pixels, not {image_size}")
+        grid = torch.linspace(-1.0, 1.0, side)
+        # pos_x varies along columns (image x), pos_y along rows (image y), flattened like the maps
+        self.register_buffer("pos_x", grid.repeat(side), persistent=False)
+        self.register_buffer("pos_y", grid.repeat_interleave(side), persistent=False)
+        self.log_temperature = nn.Parameter(torch.zeros(()))
+        self.keypoints = keypoints
+        self.proj = nn.Sequential(nn.Linear(2 * keypoints, feature_dim), nn.ReLU())
+        self.out_dim = feature_dim
+
+    def trunk(self) -> nn.Module:
+        return self.convs
+
+    def keypoint_xy(self, maps: torch.Tensor) -> torch.Tensor:
+        """``[B, K, H, W]`` maps -> ``[B, 2K]`` expected (x..., y...) image coordinates in [-1, 1]."""
+        b, k = maps.shape[:2]
+        attention = torch.softmax(maps.float().reshape(b, k, -1) / self.log_temperature.exp(), dim=-1)
+        return torch.cat([attention @ self.pos_x, attention @ self.pos_y], dim=1)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        pixels = _channels_last_like(pixels, self.convs[0].weight)
+        with self._no_grad_if_frozen():
+            maps = self.convs(_uint8_to_conv_input(pixels))
+        return self.proj(self.keypoint_xy(maps).to(maps.dtype))
 
 
 class _ResidualBlock(nn.Module):
@@ -246,6 +297,8 @@ def build_pixel_encoder(name: str, pixel_shape: tuple[int, int, int], feature_di
         return NatureCNN(c, h, feature_dim)
     if name == "impala":
         return ImpalaCNN(c, h, feature_dim, checkpointing=checkpointing)
+    if name == "spatial_softmax":
+        return SpatialSoftmaxCNN(c, h, feature_dim)
     if name in TORCHVISION_BACKBONES:
         return TorchvisionBackbone(name, c, feature_dim, resize, checkpointing)
     raise ValueError(f"unknown encoder {name!r}: use one of {', '.join(ENCODERS)}")

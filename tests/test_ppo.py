@@ -20,11 +20,11 @@ def _spaces(state=True, discrete=False):
     return gym.spaces.Dict(spaces), gym.spaces.Discrete(4) if discrete else gym.spaces.Box(-1, 1, (2,), np.float32)
 
 
-def _setup(state=True, discrete=False, T=6, N=4, seed=0, share=True):
+def _setup(state=True, discrete=False, T=6, N=4, seed=0, share=True, encoder="nature"):
     torch.manual_seed(seed)
     obs_space, act_space = _spaces(state, discrete)
     policy = ActorCritic(obs_space, act_space, ModelConfig(feature_dim=32, hidden_dim=32,
-                                                          share_encoder=share))
+                                                          share_encoder=share, encoder=encoder))
     buf = RolloutBuffer(T, N, obs_space, act_space)
     g = torch.Generator().manual_seed(seed)
     buf.obs["pixels"].copy_(torch.randint(0, 256, buf.obs["pixels"].shape, generator=g, dtype=torch.uint8))
@@ -41,9 +41,10 @@ def _setup(state=True, discrete=False, T=6, N=4, seed=0, share=True):
     return policy, buf
 
 
+@pytest.mark.parametrize("encoder", ["nature", "spatial_softmax"])
 @pytest.mark.parametrize("chunk", [1, 5, 8, 24, 1000])
-def test_chunked_score_equals_unchunked(chunk):
-    policy, buf = _setup()
+def test_chunked_score_equals_unchunked(chunk, encoder):
+    policy, buf = _setup(encoder=encoder)
     flat = {k: buf.flat(v) for k, v in buf.obs.items()}
     actions = buf.flat(buf.actions)
     with torch.no_grad():
@@ -65,9 +66,10 @@ def _grads(policy, buf, mb, micro, cfg):
 
 
 @pytest.mark.parametrize("micro", [1, 4, 5, 7, 20])
-@pytest.mark.parametrize("discrete,share", [(False, True), (True, False)])
-def test_accumulated_gradient_equals_full_minibatch_gradient(micro, discrete, share):
-    policy, buf = _setup(discrete=discrete, share=share)
+@pytest.mark.parametrize("discrete,share,encoder", [(False, True, "nature"), (True, False, "nature"),
+                                                    (False, True, "spatial_softmax")])
+def test_accumulated_gradient_equals_full_minibatch_gradient(micro, discrete, share, encoder):
+    policy, buf = _setup(discrete=discrete, share=share, encoder=encoder)
     cfg = PPOConfig(clip_value=True, entropy_coef=0.01)
     mb = torch.randperm(buf.size, generator=torch.Generator().manual_seed(1))[:20]
     full, full_stats = _grads(policy, buf, mb, 20, cfg)

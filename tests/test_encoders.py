@@ -191,7 +191,8 @@ def test_spatial_softmax_follows_a_moving_object():
     with torch.no_grad():
         for conv in enc.convs[::2]:
             conv.weight.zero_()
-            conv.bias.zero_()
+            if conv.bias is not None:
+                conv.bias.zero_()
         enc.convs[0].weight[0, 0] = 1.0 / 64  # channel 0 of layer 1: mean red over its 8x8 window
         enc.convs[2].weight[0, 0, 1, 1] = 1.0  # layer 2 passes it on
         enc.convs[4].weight[0, 0] = 50.0  # keypoint map: sharp

@@ -271,7 +271,7 @@ def test_accumulated_gradient_equals_full_minibatch_gradient_resnet(augment):
 
 def test_augmentation_is_applied_in_the_update_and_never_when_acting(monkeypatch):
     policy, buf = _setup("nature", 48, augment="shift", shift_pad=4)
-    plain = ActorCritic(_space(3, 48, True), BOX, ModelConfig(feature_dim=16, hidden_dim=16))
+    plain = ActorCritic(_space(3, 48, True), BOX, ModelConfig(encoder="nature", feature_dim=16, hidden_dim=16))
     plain.load_state_dict({k: v for k, v in policy.state_dict().items() if not k.startswith("augment.")})
     calls = []
     apply = policy.augment.apply

@@ -80,8 +80,8 @@ class EnvConfig:
 
 @dataclass
 class ModelConfig:
-    encoder: str = "nature"
-    """Image encoder: nature | impala | spatial_softmax (CNNs from scratch; spatial_softmax outputs keypoint positions) | resnet18 | resnet34 | resnet50 | mobilenet_v3_small | efficientnet_b0 (torchvision)."""
+    encoder: str = "spatial_softmax"
+    """Image encoder: spatial_softmax | nature | impala (CNNs from scratch; spatial_softmax outputs keypoint positions: Reach 100% at 20-40k steps vs nature's 73% at 100k, README) | resnet18 | resnet34 | resnet50 | mobilenet_v3_small | efficientnet_b0 (torchvision)."""
     encoder_weights: str = "none"
     """none | imagenet (torchvision's file in $TORCH_HOME/hub/checkpoints, never downloaded) | PATH (torchvision state dict or visppo checkpoint)."""
     freeze_encoder_updates: int = 0
@@ -118,8 +118,8 @@ class PPOConfig:
     """Samples per optimizer step (changes the learning)."""
     num_epochs: int = 4
     """Passes over the rollout per iteration."""
-    total_steps: int = 200_000
-    """Environment steps (summed over envs) to train for."""
+    total_steps: int = 100_000
+    """Environment steps (summed over envs) to train for (the learning rate anneals to 0 there)."""
     learning_rate: float = 1e-3
     """Adam learning rate at the start."""
     anneal_lr: bool = True

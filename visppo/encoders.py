@@ -142,7 +142,9 @@ class SpatialSoftmaxCNN(PixelEncoder):
         self.convs = nn.Sequential(
             nn.Conv2d(in_channels, 32, 8, stride=4), nn.ReLU(),
             nn.Conv2d(32, 64, 3, stride=1, padding=1), nn.ReLU(),
-            nn.Conv2d(64, keypoints, 1),
+            # no bias: a softmax ignores a constant added to its map, so a bias's true gradient is 0
+            # and Adam would turn its rounding noise into full-size random steps
+            nn.Conv2d(64, keypoints, 1, bias=False),
         )
         side = (image_size - 8) // 4 + 1
         if side < 2:

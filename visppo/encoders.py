@@ -155,7 +155,6 @@ class SpatialSoftmaxCNN(PixelEncoder):
         self.register_buffer("pos_x", grid.repeat(side), persistent=False)
         self.register_buffer("pos_y", grid.repeat_interleave(side), persistent=False)
         self.log_temperature = nn.Parameter(torch.zeros(()))
-        self.keypoints = keypoints
         self.proj = nn.Sequential(nn.Linear(2 * keypoints, feature_dim), nn.ReLU())
         self.out_dim = feature_dim
 

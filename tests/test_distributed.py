@@ -8,6 +8,7 @@ updates over the two rollouts concatenated. The end-to-end test launches
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import shutil
@@ -232,14 +233,26 @@ EXACT = {"env.max_episode_steps": 16, "ppo.total_steps": 384, "run.checkpoint_ev
 def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "visppo", "train", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a rank that crashes prints its Python stacks
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+
+
+def _failure(res: subprocess.CompletedProcess) -> str:
+    """What the ranks printed: the end of stdout, and stderr without torchrun's own summary (which
+    follows the ranks' messages and would push them out of a short tail)."""
+    stderr, _, launcher = res.stderr.rpartition("Traceback (most recent call last):")
+    if "ChildFailedError" not in launcher:  # the last traceback is a rank's: keep it
+        stderr, launcher = res.stderr, ""
+    cause = launcher.rpartition("Root Cause")[2][-600:]  # which rank failed first, and its exit code
+    return (f"exit {res.returncode}\n--- stdout\n{res.stdout[-2000:]}\n--- stderr\n{stderr[-6000:]}"
+            f"\n--- root cause\n{cause}")
 
 
 @pytest.mark.timeout(900)
 def test_torchrun_two_processes_rank_0_writes_and_the_run_resumes_exactly(tmp_path):
     full = tmp_path / "run"
     res = _torchrun(tiny_overrides(tmp_path, **EXACT))
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, _failure(res)
     assert res.stdout.count("visppo: run directory") == 1 and res.stdout.count("run finished") == 1
     assert "2 processes" in res.stdout
     rows = list(csv.DictReader((full / "metrics.csv").open()))
@@ -263,7 +276,7 @@ def test_torchrun_two_processes_rank_0_writes_and_the_run_resumes_exactly(tmp_pa
     shutil.copy(cut / "checkpoints" / "iter_000002.pt", cut / "checkpoints" / "latest.pt")
     (cut / "checkpoints" / "iter_000003.pt").unlink()
     res = _torchrun(["--resume", str(cut)])
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, _failure(res)
     assert res.stdout.count("visppo: resuming") == 1
     resumed = torch.load(cut / "checkpoints" / "latest.pt", weights_only=True)
     assert resumed["global_step"] == 384
@@ -277,6 +290,35 @@ def test_torchrun_two_processes_rank_0_writes_and_the_run_resumes_exactly(tmp_pa
 
 
 # --------------------------------------------------------------------------- one process, devices
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_leaving_the_group_waits_for_the_other_ranks_only_after_a_clean_run(clean, monkeypatch):
+    """A rank that finished must not tear down its connections while a peer still uses them; one
+    that failed must not wait for peers that may never come (the barrier would hang)."""
+    calls = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: calls.append("destroy"))
+    distributed.destroy(clean=clean)
+    assert calls == (["barrier", "destroy"] if clean else ["destroy"])
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_run_leaves_its_group_cleanly_only_when_it_did_not_fail(fails, tmp_path, monkeypatch):
+    import visppo.train as train_module
+
+    left = []
+    monkeypatch.setattr(distributed, "init", lambda ctx, device, timeout=None: True)  # "joined"
+    monkeypatch.setattr(distributed, "destroy", lambda clean=True: left.append(clean))
+    if fails:
+        def broken(*args, **kwargs):
+            raise RuntimeError("a rank failed while building its run")
+
+        monkeypatch.setattr(train_module, "build_run", broken)
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+        train_module.train(load_config(None, tiny_overrides(tmp_path, **{"ppo.total_steps": 64})))
+    assert left == [not fails]
 
 
 def test_one_process_makes_no_process_group_and_no_collectives(tmp_path, monkeypatch):

@@ -114,9 +114,16 @@ def init(ctx: Context, device: torch.device, timeout: timedelta | None = None) -
     return True
 
 
-def destroy() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy(clean: bool = True) -> None:
+    """Leave the process group. After a clean run every rank first waits for the others (a
+    barrier): none tears down its connections, and then exits, while a peer is still in the last
+    collective or writing the final checkpoint. After an error the peers may be gone or stuck
+    elsewhere, so a barrier could only hang: the group is dropped at once."""
+    if not dist.is_initialized():
+        return
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def broadcast_parameters(module: nn.Module) -> None:

@@ -158,7 +158,7 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
             torch.set_num_threads(cfg.train.threads)
         seed_everything(cfg.train.seed, cfg.train.deterministic, device)  # the same model on every rank
         if distributed.init(ctx, device):  # gloo on CPUs, NCCL on GPUs; nothing when alone
-            stack.callback(distributed.destroy)
+            stack.push(lambda kind, *_: distributed.destroy(clean=kind is None))  # barrier unless failing
         if ctx.enabled:
             run_dir = Path(distributed.broadcast(str(run_dir)))  # rank 0's: a default name holds the time
         envs = make_vector_env(cfg)

@@ -83,6 +83,26 @@ def test_split_gradient_check_of_the_headline_runs_the_real_minibatch_gradient(m
     assert vp._split_vs_unsplit(cfg, policy, buf, Precision(cpu), cpu, 4) > 0.05
 
 
+def test_split_gradient_check_halves_an_overflowing_loss_scale_as_the_scaler_would():
+    """fp16 on the GPU: a scale under which the scaled gradient overflows gave NaN (seen on an
+    H100, 2026-11-24); the check halves it, as GradScaler does after a skipped step, until finite."""
+    from visppo.builders import build_policy
+    from visppo.config import load_config
+    from visppo.precision import Precision
+
+    class OverflowAbove1024(torch.amp.GradScaler):
+        def scale(self, outputs):
+            return super().scale(outputs) * (float("inf") if self.get_scale() > 1024 else 1.0)
+
+    cpu = torch.device("cpu")
+    cfg = load_config(None, vp.overrides("nature", 48, "off", 16, 32, "cpu"))
+    buf, obs_space, action_space = vp.make_buffer(cfg, cpu)
+    policy = build_policy(cfg, obs_space, action_space, cpu, load_weights=False)
+    scaler = OverflowAbove1024("cpu", init_scale=2.0**16)
+    assert vp._split_vs_unsplit(cfg, policy, buf, Precision(cpu, None, scaler), cpu, 4) < 1e-5
+    assert scaler.get_scale() == 1024
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("amp", vp.HEADLINE_AMPS)
 def test_headline_fits_an_8_gib_card(amp):

@@ -196,7 +196,24 @@ def device_use(device: torch.device) -> dict:
             "memory_reserved": torch.cuda.memory_reserved(device),
             "max_memory_reserved": torch.cuda.max_memory_reserved(device),
             "max_memory_allocated": torch.cuda.max_memory_allocated(device),
-            "device_name": torch.cuda.get_device_name(device)}
+            "device_name": torch.cuda.get_device_name(device),
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+
+
+def _cuda_phases(device: torch.device):
+    """Before the score pass, hand the update's cached segments back and reset the peaks, so an
+    ``infer_chunk`` row measures the chunked pass alone (as the CPU oracle's window does): the
+    update before it runs the unsplit minibatch, whose peak is not the chunk's."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def phase(name):
+        if name == "score":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        yield
+    return phase
 
 
 def measure_cuda(cfg, kind: str, size: int) -> dict:
@@ -204,10 +221,8 @@ def measure_cuda(cfg, kind: str, size: int) -> dict:
     figure is the device's whole use at the allocator's peak: what ``mem_get_info`` shows at the end
     (context included), less what the allocator holds then, plus its peak reservation. Run on a
     GPU no other process uses (``device_used`` counts every process)."""
-    from contextlib import nullcontext
-
-    device = torch.device("cuda")
-    work = _workload(cfg, device, kind, size, lambda name: nullcontext())
+    device = torch.device("cuda", torch.cuda.current_device())
+    work = _workload(cfg, device, kind, size, _cuda_phases(device))
     next(work)  # the host buffer; CUDA is initialised by the workload itself
     next(work)
     m = device_use(device)
@@ -231,7 +246,7 @@ def headline(amp: str) -> dict:
     from visppo.config import load_config
     from visppo.probe import cuda_context_bytes, probe
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # set_per_process_memory_fraction needs an index
     cfg = load_config(None, overrides("resnet18", 224, amp, 256, 512, "cuda", epochs=2))
     rec = probe(cfg, HEADLINE_BUDGET, "cuda", mode="fake")
     context, _ = cuda_context_bytes(device)  # a real 8 GiB card holds the context too: cap the allocator below
@@ -271,18 +286,24 @@ def _headline_update(cfg, device: torch.device, micro: int, chunk: int):
 
 def _split_vs_unsplit(cfg, policy, buf, precision, device: torch.device, micro: int) -> float:
     """``|g_split - g_whole| / |g_whole|`` over every trainable parameter, for the first minibatch
-    (fp16: both scaled by the same GradScaler scale, which divides out of the ratio)."""
+    (fp16: both scaled by the same GradScaler scale, which divides out of the ratio). A scale
+    whose scaled gradient overflows is one the scaler would skip the step for and halve, so the
+    comparison halves it too until both gradients are finite."""
     from visppo.ppo import MemorySizes, UpdateSetup, minibatch_gradient
 
     mb = torch.arange(cfg.ppo.minibatch_size)
     adv = buf.flat(buf.advantages)[mb]
-    grads = []
-    for size in (micro, cfg.ppo.minibatch_size):
+    for _ in range(24):
+        grads = []
+        for size in (micro, cfg.ppo.minibatch_size):
+            policy.zero_grad(set_to_none=True)
+            minibatch_gradient(policy, buf, mb, adv, UpdateSetup(cfg.ppo, MemorySizes(size, size), device, precision))
+            grads.append(torch.cat([p.grad.float().flatten() for p in policy.parameters() if p.grad is not None]))
         policy.zero_grad(set_to_none=True)
-        minibatch_gradient(policy, buf, mb, adv, UpdateSetup(cfg.ppo, MemorySizes(size, size), device, precision))
-        grads.append(torch.cat([p.grad.float().flatten() for p in policy.parameters() if p.grad is not None]))
-    policy.zero_grad(set_to_none=True)
-    return float((grads[0] - grads[1]).norm() / grads[1].norm())
+        if precision.scaler is None or all(bool(g.isfinite().all()) for g in grads):
+            break
+        precision.scaler.update(new_scale=precision.scaler.get_scale() / 2)
+    return float((grads[0].double() - grads[1].double()).norm() / grads[1].double().norm())
 
 
 # --------------------------------------------------------------------------- the estimate

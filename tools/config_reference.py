@@ -15,7 +15,7 @@ def reference() -> str:
             section = head
             lines += ["", f"**{section}**", "", "| key | type | default | what it does |", "| --- | --- | --- | --- |"]
         shown = repr(default) if isinstance(default, str) else default
-        lines.append(f"| `{key}` | {typ} | `{shown}` | {doc.replace('|', '/')} |")
+        lines.append(f"| `{key}` | {typ.replace(' | ', ' or ')} | `{shown}` | {doc.replace('|', '/')} |")
     return "\n".join(lines[1:]) + "\n"
 
 

@@ -128,3 +128,14 @@ def anneal_lr(optimizer: torch.optim.Optimizer, iteration: int, num_iterations: 
     """Linear decay to 0 over the run, per group from its ``initial_lr`` (keeps encoder_lr_scale)."""
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] * (1.0 - (iteration - 1) / num_iterations)
+
+
+def schedule_log_std(policy: ActorCritic, iteration: int, num_iterations: int, init: float, final: float) -> None:
+    """``model.final_log_std``: the Gaussian's log-std for ``iteration``, linear from ``init`` at
+    the first iteration towards ``final`` (reached where the learning rate reaches 0).
+
+    A learned std stays wide when nothing in the loss narrows it (no entropy bonus pushes it
+    either way): the policy learned is then the noisy one, and its mean alone, the
+    deterministic policy, may do worse. A schedule makes the mean carry the task by the end."""
+    with torch.no_grad():
+        policy.log_std.fill_(init + (final - init) * (iteration - 1) / num_iterations)

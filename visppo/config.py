@@ -106,6 +106,8 @@ class ModelConfig:
     """Actor and critic share one encoder; false gives the critic its own."""
     init_log_std: float = -0.5
     """Initial log standard deviation of the Gaussian policy (Box actions)."""
+    final_log_std: float | None = None
+    """If set, the log-std is not learned but moves linearly from init_log_std to this over ppo.total_steps (DrQ-v2's std schedule)."""
 
 
 @dataclass

@@ -51,7 +51,9 @@ class ActorCritic(nn.Module):
             act_dim = int(action_space.n)
         elif isinstance(action_space, gym.spaces.Box):
             act_dim = int(np.prod(action_space.shape))
-            self.log_std = nn.Parameter(torch.full((act_dim,), float(cfg.init_log_std)))
+            # With a schedule (model.final_log_std) the optimizer leaves it alone: schedule_log_std sets it.
+            self.log_std = nn.Parameter(torch.full((act_dim,), float(cfg.init_log_std)),
+                                        requires_grad=cfg.final_log_std is None)
         else:
             raise ValueError(f"action space {action_space} is not supported: use Box or Discrete")
         feat = self.encoder.out_dim

@@ -36,6 +36,7 @@ from visppo.builders import (
     build_policy,
     check_memory,
     resolve_device,
+    schedule_log_std,
     seed_everything,
 )
 from visppo.config import Config, ConfigError, RunError, Stopped, to_yaml
@@ -63,6 +64,9 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
         for iteration in range(run.first_iteration, run.num_iterations + 1):
             if cfg.ppo.anneal_lr:
                 anneal_lr(run.optimizer, iteration, run.num_iterations)
+            if cfg.model.final_log_std is not None:
+                schedule_log_std(run.policy, iteration, run.num_iterations, cfg.model.init_log_std,
+                                 cfg.model.final_log_std)
             with timer("collect"):
                 episodes = collect_rollout(run)
             with timer("values"):
@@ -245,6 +249,9 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
     """Policy, optimizer, buffer and the update's setup; every state from ``resume`` restored."""
     policy = build_policy(cfg, envs.single_observation_space, envs.single_action_space, device,
                           load_weights=resume is None)  # a resumed run takes the checkpoint's
+    if policy.discrete and cfg.model.final_log_std is not None:
+        raise ConfigError("model.final_log_std schedules a Gaussian's std, and this env's actions are "
+                          "discrete: remove model.final_log_std")
     optimizer = build_optimizer(cfg, policy)
     seed = distributed.rank_seed(cfg.train.seed, ctx.rank)  # the seed itself on rank 0
     generator = torch.Generator().manual_seed(seed)  # minibatch order, apart from acting

@@ -36,3 +36,33 @@ def test_config_loads_with_every_value_it_sets(path):
             value = "off"
         assert got == value or (isinstance(value, (int, float)) and got == pytest.approx(value)), (key, value, got)
     assert cfg.ppo.minibatch_size <= cfg.rollout_size
+
+
+def _first_frame(path: Path, seed: int):
+    from visppo.envs import make_vector_env
+
+    envs = make_vector_env(load_config(path, ["env.vector=sync", "ppo.num_envs=1", "ppo.minibatch_size=64"]))
+    try:
+        obs, _ = envs.reset(seed=seed)
+        return obs["pixels"][0, -3:].astype(int)  # the newest frame, CHW
+    finally:
+        envs.close()
+
+
+def test_the_topdown_reacher_config_shows_the_target_bigger_and_keeps_the_arm_in_view():
+    """reacher_pixels_topdown.yaml moves only the camera: the red target covers several times the
+    pixels it covers in Reacher-v5's own view, and the arm's whole reach (0.21 m) stays in frame
+    (no arm pixel on the border whatever the start)."""
+    configs = Path(CONFIGS[0]).parent
+    stock, top = configs / "reacher_pixels.yaml", configs / "reacher_pixels_topdown.yaml"
+    assert _flatten(yaml.safe_load(stock.read_text())) == {
+        k: v for k, v in _flatten(yaml.safe_load(top.read_text())).items() if k != "env.kwargs"}
+    for seed in range(3):
+        sizes = []
+        for path in (stock, top):
+            r, g, b = _first_frame(path, seed)
+            sizes.append(int(((r > g + 50) & (r > b + 50)).sum()))
+        assert sizes[1] >= 2 * max(sizes[0], 2), (seed, sizes)
+        r, _, b = _first_frame(top, seed)
+        arm = b > r + 20  # the arm is blue on a grey floor
+        assert arm.sum() > 20 and not (arm[0].any() or arm[-1].any() or arm[:, 0].any() or arm[:, -1].any())

@@ -121,3 +121,18 @@ def test_learning_table_run_skips_finished_runs_and_resumes_stopped_ones(tmp_pat
     assert learning_table.command(config, 2, stopped, [])[-2:] == ["--resume", str(stopped)]
     fresh = learning_table.command(config, 3, learning_table.run_dir_of(out, config, 3), ["ppo.total_steps=64"])
     assert "train.seed=3" in fresh and "train.threads=1" in fresh and fresh[-1] == "ppo.total_steps=64"
+
+
+def test_learning_table_puts_published_figures_beside_the_row_that_reaches_their_budget():
+    """A 500k-step run of 1024-sample rollouts logs its last row at 500,736: that row, and no
+    earlier one, stands beside the figures published at 500k agent steps."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import learning_table
+    finally:
+        sys.path.remove(str(TOOLS))
+    assert [m for m, *_ in learning_table.published_at("dmc:walker-walk", 500_736)] == ["SB3 PPO CnnPolicy", "DrQ-v2"]
+    assert learning_table.published_at("dmc:walker-walk", 500_000)[1][1] == 766
+    assert learning_table.published_at("dmc:walker-walk", 499_712) == []
+    assert learning_table.published_at("dmc:walker-walk", 600_000) == []
+    assert learning_table.published_at("visppo/Reach-v0", 500_736) == []

@@ -163,9 +163,18 @@ def summarize(outs: list[Path], steps: list[int]) -> list[dict]:
                     row["seeds"] = len(values)
             row["minutes"] = _mean_std([wall_minutes(r, step) for r in rows.values()
                                         if math.isfinite(value_at(r, "episode_return", step))])
-            row["published"] = PUBLISHED.get(env_id, {}).get(step, [])
+            row["published"] = published_at(env_id, step)
             table.append(row)
     return table
+
+
+def published_at(env_id: str, step: int) -> list[tuple[str, float, str]]:
+    """The published figures for ``env_id`` at a budget that ``step`` reaches within one percent:
+    a rollout rarely divides the budget, so a 500k run's last row is at 500,736 (8 x 128 x 489)."""
+    for budget, figures in PUBLISHED.get(env_id, {}).items():
+        if budget <= step <= budget * 1.01:
+            return figures
+    return []
 
 
 def _mean_std(values: list[float]) -> tuple[float, float, int]:

@@ -107,7 +107,7 @@ class ModelConfig:
     init_log_std: float = -0.5
     """Initial log standard deviation of the Gaussian policy (Box actions)."""
     final_log_std: float | None = None
-    """If set, the log-std is not learned but moves linearly from init_log_std to this over ppo.total_steps (DrQ-v2's std schedule)."""
+    """If set, the log-std is not learned but moves linearly from init_log_std to this over ppo.total_steps (DrQ-v2's std schedule). Push at 1M, -1.6: deterministic success 78% vs 48% learned (3 seeds); it collapsed cartpole-swingup at 100k (README)."""
 
 
 @dataclass

@@ -58,11 +58,9 @@ def test_the_topdown_reacher_config_shows_the_target_bigger_and_keeps_the_arm_in
     assert _flatten(yaml.safe_load(stock.read_text())) == {
         k: v for k, v in _flatten(yaml.safe_load(top.read_text())).items() if k != "env.kwargs"}
     for seed in range(3):
-        sizes = []
-        for path in (stock, top):
-            r, g, b = _first_frame(path, seed)
-            sizes.append(int(((r > g + 50) & (r > b + 50)).sum()))
+        frames = [_first_frame(path, seed) for path in (stock, top)]
+        sizes = [int(((r > g + 50) & (r > b + 50)).sum()) for r, g, b in frames]
         assert sizes[1] >= 2 * max(sizes[0], 2), (seed, sizes)
-        r, _, b = _first_frame(top, seed)
+        r, _, b = frames[1]
         arm = b > r + 20  # the arm is blue on a grey floor
         assert arm.sum() > 20 and not (arm[0].any() or arm[-1].any() or arm[:, 0].any() or arm[:, -1].any())

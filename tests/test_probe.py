@@ -289,15 +289,17 @@ def test_conv_workspace_line_adds_what_the_kernels_hold_at_the_peak(monkeypatch)
     from visppo.probe import KernelWorkspace
 
     hidden = 2**40
-    monkeypatch.setattr(KernelWorkspace, "_measure", staticmethod(lambda *a: hidden))
     cfg = load_config(None, tiny_overrides(**{"env.image_size": 48, "train.amp": "bf16"}))
-    for kind in ("infer_chunk", "micro_batch"):
+
+    def pass_with(workspace: int, kind: str) -> tuple[dict[str, int], Prober]:
+        monkeypatch.setattr(KernelWorkspace, "_measure", staticmethod(lambda *a: workspace))
         prober = Prober(cfg, torch.device("cpu"), "fake")
-        lines = prober._pass(kind, 16)
+        return prober._pass(kind, 16), prober
+
+    for kind in ("infer_chunk", "micro_batch"):
+        lines, prober = pass_with(hidden, kind)
         assert hidden - lines["activations"] - prober.static["gradients"] < lines["conv_workspace"] <= hidden, kind
-        monkeypatch.setattr(KernelWorkspace, "_measure", staticmethod(lambda *a: 0))
-        assert Prober(cfg, torch.device("cpu"), "fake")._pass(kind, 16) == {**lines, "conv_workspace": 0}
-        monkeypatch.setattr(KernelWorkspace, "_measure", staticmethod(lambda *a: hidden))
+        assert pass_with(0, kind)[0] == {**lines, "conv_workspace": 0}
 
 
 def test_conv_workspace_line_is_what_this_cpus_kernels_really_allocate():

@@ -103,12 +103,18 @@ def test_learning_table_compares_variants_of_an_ablation_row_by_row(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "nowhere" in proc.stderr
 
 
-def test_learning_table_run_skips_finished_runs_and_resumes_stopped_ones(tmp_path):
+def _learning_table():
+    """tools/learning_table.py as a module (tools/ is not a package)."""
     sys.path.insert(0, str(TOOLS))
     try:
         import learning_table
     finally:
         sys.path.remove(str(TOOLS))
+    return learning_table
+
+
+def test_learning_table_run_skips_finished_runs_and_resumes_stopped_ones(tmp_path):
+    learning_table = _learning_table()
     out, config = tmp_path / "t", Path("configs/dot_reach.yaml")
     done = learning_table.run_dir_of(out, config, 1)
     _fake_run(done, "visppo/DotReach-v0", 2000, [(2000, 1.0, 1.0)])
@@ -126,11 +132,7 @@ def test_learning_table_run_skips_finished_runs_and_resumes_stopped_ones(tmp_pat
 def test_learning_table_puts_published_figures_beside_the_row_that_reaches_their_budget():
     """A 500k-step run of 1024-sample rollouts logs its last row at 500,736: that row, and no
     earlier one, stands beside the figures published at 500k agent steps."""
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import learning_table
-    finally:
-        sys.path.remove(str(TOOLS))
+    learning_table = _learning_table()
     assert [m for m, *_ in learning_table.published_at("dmc:walker-walk", 500_736)] == ["SB3 PPO CnnPolicy", "DrQ-v2"]
     assert learning_table.published_at("dmc:walker-walk", 500_000)[1][1] == 766
     assert learning_table.published_at("dmc:walker-walk", 499_712) == []

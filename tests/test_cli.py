@@ -82,8 +82,10 @@ def test_overrides_may_follow_options():
 def test_unknown_option_names_the_subcommand_help(capsys):
     code, err = run_main(capsys, "probe", "--budget", "8GiB", "--bogus")
     assert code == 2 and err.startswith("error: ") and "--bogus" in err and "visppo probe --help" in err
-    code, err = run_main(capsys, "eval", "run", "extra")
-    assert code == 2 and "unrecognized arguments: extra" in err
+    code, err = run_main(capsys, "eval", "run", "--bogus")
+    assert code == 2 and "unrecognized arguments: --bogus" in err and "visppo eval --help" in err
+    code, err = run_main(capsys, "eval", "run", "extra")  # a positional after the run is an env override
+    assert code == 2 and "'extra': evaluation overrides change the env only" in err
 
 
 def test_env_that_cannot_render_is_refused(tmp_path, capsys):

@@ -14,7 +14,7 @@ from conftest import tiny_overrides
 from PIL import Image
 
 from visppo.checkpoint import CheckpointError
-from visppo.config import UserError, load_config
+from visppo.config import ConfigError, UserError, load_config
 from visppo.evaluate import SEPARATOR, compose_frame, evaluate, format_result, video_layout
 from visppo.train import train
 
@@ -117,6 +117,36 @@ def test_compose_frame_with_view():
     start = cam_width + SEPARATOR
     assert frame.shape[1] == start + view_width + (start + view_width) % 2
     assert (frame[:, start:start + view_width] == 50).all()  # the view, same height, beside the camera
+
+
+def test_env_overrides_change_the_env_and_nothing_else(run_dir, tmp_path):
+    base = evaluate(run_dir, episodes=2, deterministic=True)
+    assert base["env_overrides"] == []
+    json_path = tmp_path / "short.json"
+    short = evaluate(run_dir, episodes=2, deterministic=True, env_overrides=["env.max_episode_steps=20"],
+                     json_path=json_path)
+    assert short["lengths"] == [20, 20] and base["lengths"] == [EPISODE_LENGTH] * 2
+    assert short["env_overrides"] == ["env.max_episode_steps=20"]
+    assert json.loads(json_path.read_text())["env_overrides"] == ["env.max_episode_steps=20"]
+    assert "(env.max_episode_steps=20):" in format_result(short)
+    # the checkpoint's own config is untouched: evaluating it again gives the first figures
+    assert evaluate(run_dir, episodes=2, deterministic=True)["returns"] == base["returns"]
+
+
+@pytest.mark.parametrize("override", ["ppo.learning_rate=1.0", "model.feature_dim=8", "env.frame_stack"])
+def test_non_env_overrides_are_refused_before_running(run_dir, tmp_path, override):
+    json_path = tmp_path / "r.json"
+    with pytest.raises(ConfigError, match="evaluation overrides change the env only") as info:
+        evaluate(run_dir, episodes=1, env_overrides=[override], json_path=json_path)
+    assert "\n" not in str(info.value) and not json_path.exists()
+
+
+def test_env_override_that_changes_what_the_policy_sees_is_refused(run_dir):
+    with pytest.raises(ConfigError, match="no longer fit the trained policy") as info:
+        evaluate(run_dir, episodes=1, env_overrides=["env.frame_stack=2"])  # 6 input channels, not 3
+    assert "env.frame_stack=2" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="env.max_episode_steps"):  # a bad value names its key
+        evaluate(run_dir, episodes=1, env_overrides=["env.max_episode_steps=-3"])
 
 
 def _save(tmp_path, obj, name="edited.pt"):

@@ -68,7 +68,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--episodes must be at least 1, got {ns.episodes}")
     result = evaluate(ns.source, ns.episodes, deterministic=ns.deterministic,
                       video=Path(ns.video) if ns.video else None,
-                      json_path=Path(ns.json) if ns.json else None, seed=ns.seed)
+                      json_path=Path(ns.json) if ns.json else None, seed=ns.seed,
+                      env_overrides=ns.overrides)
     print(format_result(result))
     return 0
 
@@ -149,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("eval", help="evaluate a run or checkpoint: visppo eval RUN_DIR_OR_CKPT")
     p.add_argument("source", metavar="RUN_DIR_OR_CKPT")
+    p.add_argument("overrides", nargs="*", metavar="env.KEY=VALUE",
+                   help="evaluate in a changed env, e.g. env.kwargs.look=published (env keys only)")
     p.add_argument("--episodes", type=int, default=10, help="episodes to run (10)")
     p.add_argument("--deterministic", action="store_true", help="act with the mean / most likely action")
     p.add_argument("--video", metavar="FILE", help="write a video (.mp4, or .gif)")

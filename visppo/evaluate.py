@@ -21,7 +21,7 @@ import math
 import os
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ import torch
 from visppo import checkpoint as ckpt_io
 from visppo.builders import build_policy
 from visppo.checkpoint import CheckpointError, atomic_write_text, file_mode
-from visppo.config import Config, ConfigError, UserError, from_dict
+from visppo.config import Config, ConfigError, UserError, build_config, from_dict, to_dict
 from visppo.envs import check_env_id, make_env
 from visppo.policy import ActorCritic
 
@@ -168,9 +168,22 @@ def resolve_checkpoint(source: str | Path) -> Path:
     return source
 
 
-def load_policy(path: Path, device: torch.device = torch.device("cpu")
+def check_env_overrides(overrides: Sequence[str]) -> None:
+    """Evaluation may change the env a policy acts in, nothing else: only ``env.KEY=VALUE``."""
+    for item in overrides:
+        if not item.strip().startswith("env.") or "=" not in item:
+            raise ConfigError(f"'{item}': evaluation overrides change the env only; give env.KEY=VALUE "
+                              "(e.g. env.kwargs.look=published)")
+
+
+def load_policy(path: Path, device: torch.device = torch.device("cpu"), env_overrides: Sequence[str] = ()
                 ) -> tuple[ActorCritic, Config, dict[str, Any]]:
-    """Load a checkpoint safely and rebuild its policy on ``device``: ``(policy, cfg, ckpt)``."""
+    """Load a checkpoint safely and rebuild its policy on ``device``: ``(policy, cfg, ckpt)``.
+
+    ``env_overrides`` (``env.KEY=VALUE``) change the saved config's env, e.g. to
+    evaluate a policy trained on DMC's fast look in the published one.
+    """
+    check_env_overrides(env_overrides)
     ckpt = ckpt_io.load(path)
     if not isinstance(ckpt.get("config"), dict):
         raise CheckpointError(f"checkpoint {path} has no saved config: it was not written by visppo train")
@@ -178,6 +191,8 @@ def load_policy(path: Path, device: torch.device = torch.device("cpu")
         cfg = from_dict(ckpt["config"])
     except ConfigError as exc:
         raise CheckpointError(f"checkpoint {path} holds a config this visppo cannot use ({exc})") from None
+    if env_overrides:
+        cfg = build_config(to_dict(cfg), env_overrides, source="the saved config")
     cfg.train.device = "cpu"
     cfg.rollout.device = "cpu"
     state = ckpt["model"]
@@ -190,6 +205,10 @@ def load_policy(path: Path, device: torch.device = torch.device("cpu")
     finally:
         env.close()
     mismatch = ckpt_io.describe_mismatch(policy.state_dict(), state, theirs="saved")
+    if mismatch and env_overrides:
+        raise ConfigError(f"with {' '.join(env_overrides)} the env's observations or actions no longer fit "
+                          f"the trained policy ({mismatch}): keep what the policy sees (image size, frame "
+                          "stack, state, action space) as it was trained")
     if mismatch:
         raise CheckpointError(f"checkpoint {path} is a checkpoint of another architecture than its saved "
                               f"config builds ({mismatch}): use a checkpoint written by this version of visppo")
@@ -199,22 +218,25 @@ def load_policy(path: Path, device: torch.device = torch.device("cpu")
 
 
 def evaluate(source: str | Path, episodes: int, deterministic: bool = False, video: Path | None = None,
-             json_path: Path | None = None, seed: int = 0) -> dict[str, Any]:
+             json_path: Path | None = None, seed: int = 0, env_overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Evaluate the checkpoint at ``source`` (a run directory or a ``.pt`` file) on the CPU.
 
-    Returns :func:`run_episodes`'s result with ``"checkpoint"``, ``"global_step"``
-    and ``"env_id"`` added; with ``json_path``, also writes it there as JSON.
+    ``env_overrides`` (``env.KEY=VALUE``) evaluate in a changed env (another look,
+    camera or episode length) with the same weights. Returns :func:`run_episodes`'s
+    result with ``"checkpoint"``, ``"global_step"``, ``"env_id"`` and
+    ``"env_overrides"`` added; with ``json_path``, also writes it there as JSON.
     """
+    check_env_overrides(env_overrides)  # before any file is looked at
     if json_path is not None:
         json_path = _check_output_path(Path(json_path), "JSON")
     path = resolve_checkpoint(source)
     device = torch.device("cpu")
-    policy, cfg, ckpt = load_policy(path, device)
+    policy, cfg, ckpt = load_policy(path, device, env_overrides)
     result = run_episodes(policy, cfg, episodes, deterministic=deterministic, seed=seed, video=video,
                           device=device)
     step = ckpt.get("global_step")
     result = {"checkpoint": str(path), "global_step": int(step) if step is not None else None,
-              "env_id": cfg.env.id, **result}
+              "env_id": cfg.env.id, "env_overrides": list(env_overrides), **result}
     if json_path is not None:
         atomic_write_text(json_path, json.dumps(_jsonable(result), indent=2) + "\n")
     return result
@@ -226,7 +248,8 @@ def format_result(result: dict[str, Any]) -> str:
     success_text = "n/a" if success is None or (isinstance(success, float) and math.isnan(success)) \
         else f"{100 * success:.0f}%"
     mode = "deterministic" if result.get("deterministic") else "stochastic"
-    head = f"{result['env_id']}: " if result.get("env_id") else ""
+    changed = f" ({' '.join(result['env_overrides'])})" if result.get("env_overrides") else ""
+    head = f"{result['env_id']}{changed}: " if result.get("env_id") else ""
     return (f"{head}return {result['mean_return']:.2f} ± {result['std_return']:.2f}, success {success_text}, "
             f"{result['episodes']} episodes ({mode}, mean length {result['mean_length']:.0f})")
 

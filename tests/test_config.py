@@ -55,6 +55,7 @@ def test_round_trip_through_plain_dict():
     (["ppo.gamma=1.5"], "ppo.gamma"),
     (["memory.budget=lots"], "memory.budget"),
     (["nonsense"], "key=value"),
+    (["model.detach_actor=true", "model.share_encoder=false"], "model.detach_actor needs model.share_encoder"),
 ])
 def test_bad_values_are_refused_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

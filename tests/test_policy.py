@@ -51,6 +51,30 @@ def test_shared_or_separate_critic_encoder(share):
     assert reached == share and n_enc > 0
 
 
+def test_detached_actor_leaves_the_encoder_to_the_critic():
+    torch.manual_seed(0)
+    plain = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,)), ModelConfig())
+    detached = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,)), ModelConfig(detach_actor=True))
+    detached.load_state_dict(plain.state_dict())
+    obs, action = _obs(), torch.zeros(6, 2)
+    logp, entropy, value = plain.score_actions(obs, action)
+    logp_d, entropy_d, value_d = detached.score_actions(obs, action)
+    assert torch.equal(logp, logp_d) and torch.equal(value, value_d)  # same forward pass
+    conv = lambda pol: pol.encoder.pixels.convs[0].weight.grad  # noqa: E731
+    logp.sum().backward()
+    logp_d.sum().backward()
+    assert conv(plain).abs().sum() > 0 and conv(detached) is None  # the policy's gradient stops at the head
+    assert detached.actor[0].weight.grad.abs().sum() > 0
+    value_d.sum().backward()
+    assert conv(detached).abs().sum() > 0  # the critic's still trains the encoder
+    # the DrAC pass detaches the same way
+    aug = {k: v.flip(-1) for k, v in obs.items()}
+    detached.zero_grad()
+    lp, _, _, _, aug_dist, _ = detached.score_actions_augmented(obs, aug, action)
+    (lp.sum() + aug_dist.mean.sum()).backward()
+    assert conv(detached) is None
+
+
 def test_unsupported_action_space():
     with pytest.raises(ValueError, match="not supported"):
         ActorCritic(OBS, gym.spaces.MultiBinary(3), ModelConfig())

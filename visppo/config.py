@@ -104,6 +104,8 @@ class ModelConfig:
     """Width of the MLP branch for the proprioceptive vector."""
     share_encoder: bool = True
     """Actor and critic share one encoder; false gives the critic its own."""
+    detach_actor: bool = False
+    """The actor reads the shared encoder's features detached, so only the critic's loss trains the encoder (DrQ-v2's actor); needs share_encoder."""
     init_log_std: float = -0.5
     """Initial log standard deviation of the Gaussian policy (Box actions)."""
     final_log_std: float | None = None
@@ -589,6 +591,9 @@ def _validate_finetuning(cfg: Config) -> None:
                           "uses the original frames, augmented ones only enter the DrAC terms")
     if cfg.ppo.drac_coef and m.augment == "none":
         raise ConfigError("ppo.drac_coef > 0 needs an augmentation: set model.augment=shift")
+    if m.detach_actor and not m.share_encoder:
+        raise ConfigError("model.detach_actor needs model.share_encoder=true: with its own encoder detached, "
+                          "the actor's encoder would never train")
 
 
 # --------------------------------------------------------------------------- documentation

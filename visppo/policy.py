@@ -46,6 +46,7 @@ class ActorCritic(nn.Module):
 
         self.encoder = encoder()
         self.critic_encoder = None if cfg.share_encoder else encoder()
+        self.detach_actor = cfg.detach_actor
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
         if self.discrete:
             act_dim = int(action_space.n)
@@ -79,6 +80,8 @@ class ActorCritic(nn.Module):
     def _features(self, obs: Obs) -> tuple[torch.Tensor, torch.Tensor]:
         actor_feats = self.encoder(obs)
         critic_feats = actor_feats if self.critic_encoder is None else self.critic_encoder(obs)
+        if self.detach_actor:  # the same numbers; the policy loss's gradient stops at the actor head
+            actor_feats = actor_feats.detach()
         return actor_feats, critic_feats
 
     def _value(self, critic_feats: torch.Tensor) -> torch.Tensor:

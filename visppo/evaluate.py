@@ -33,7 +33,7 @@ import torch
 from visppo import checkpoint as ckpt_io
 from visppo.builders import build_policy
 from visppo.checkpoint import CheckpointError, atomic_write_text, file_mode
-from visppo.config import Config, ConfigError, UserError, build_config, from_dict, to_dict
+from visppo.config import Config, ConfigError, UserError, build_config, from_dict
 from visppo.envs import check_env_id, make_env
 from visppo.policy import ActorCritic
 
@@ -168,7 +168,7 @@ def resolve_checkpoint(source: str | Path) -> Path:
     return source
 
 
-def check_env_overrides(overrides: Sequence[str]) -> None:
+def _check_env_overrides(overrides: Sequence[str]) -> None:
     """Evaluation may change the env a policy acts in, nothing else: only ``env.KEY=VALUE``."""
     for item in overrides:
         if not item.strip().startswith("env.") or "=" not in item:
@@ -181,9 +181,8 @@ def load_policy(path: Path, device: torch.device = torch.device("cpu"), env_over
     """Load a checkpoint safely and rebuild its policy on ``device``: ``(policy, cfg, ckpt)``.
 
     ``env_overrides`` (``env.KEY=VALUE``) change the saved config's env, e.g. to
-    evaluate a policy trained on DMC's fast look in the published one.
+    evaluate a policy trained on DMC's fast look in the published one (checked by the caller).
     """
-    check_env_overrides(env_overrides)
     ckpt = ckpt_io.load(path)
     if not isinstance(ckpt.get("config"), dict):
         raise CheckpointError(f"checkpoint {path} has no saved config: it was not written by visppo train")
@@ -192,7 +191,7 @@ def load_policy(path: Path, device: torch.device = torch.device("cpu"), env_over
     except ConfigError as exc:
         raise CheckpointError(f"checkpoint {path} holds a config this visppo cannot use ({exc})") from None
     if env_overrides:
-        cfg = build_config(to_dict(cfg), env_overrides, source="the saved config")
+        cfg = build_config(ckpt["config"], env_overrides, source="the saved config")
     cfg.train.device = "cpu"
     cfg.rollout.device = "cpu"
     state = ckpt["model"]
@@ -226,7 +225,7 @@ def evaluate(source: str | Path, episodes: int, deterministic: bool = False, vid
     result with ``"checkpoint"``, ``"global_step"``, ``"env_id"`` and
     ``"env_overrides"`` added; with ``json_path``, also writes it there as JSON.
     """
-    check_env_overrides(env_overrides)  # before any file is looked at
+    _check_env_overrides(env_overrides)  # before any file is looked at
     if json_path is not None:
         json_path = _check_output_path(Path(json_path), "JSON")
     path = resolve_checkpoint(source)

@@ -103,6 +103,20 @@ def test_learning_table_compares_variants_of_an_ablation_row_by_row(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "nowhere" in proc.stderr
 
 
+def test_learning_table_per_seed_lists_each_seeds_return_in_seed_order(tmp_path):
+    out = tmp_path / "abl" / "base"
+    for seed, ret in ((10, 30.0), (2, 20.0), (1, 10.0)):  # seed10 sorts after seed2 as a number, not as text
+        _fake_run(out / "swingup" / f"seed{seed}", "dmc:cartpole-swingup", 2000, [(2000, ret, "")])
+    table = [sys.executable, str(TOOLS / "learning_table.py"), "table", str(out), "--at", "2k"]
+    proc = subprocess.run([*table, "--per-seed"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| swingup")).split(" | ")
+    assert row[4] == "20.00 ± 10.00 (10, 20, 30)"
+    assert row[6] == ""  # no evaluation logged: the cell stays empty, with no seed list
+    plain = subprocess.run(table, capture_output=True, text=True, timeout=120)
+    assert "20.00 ± 10.00 |" in plain.stdout and "(10, 20, 30)" not in plain.stdout
+
+
 def _learning_table():
     """tools/learning_table.py as a module (tools/ is not a package)."""
     sys.path.insert(0, str(TOOLS))

@@ -4,7 +4,7 @@
         --out runs/table [--parallel 2] [key=value ...]
     python tools/learning_table.py table runs/table --at 100k 250k 500k [--markdown F] [--plot F]
         [--column eval/success]
-    python tools/learning_table.py table runs/abl/base runs/abl/norm_reward --at 100k --plot F
+    python tools/learning_table.py table runs/abl/base runs/abl/norm_reward --at 100k --plot F [--per-seed]
 
 ``run`` trains every config with every seed (``train.seed=S``, ``train.threads=1``, at most
 ``--parallel`` at once: on 2 cores, 2), each in ``OUT/<config>/seed<S>``, logs in its run
@@ -14,7 +14,8 @@ count, the mean and standard deviation over seeds of the training-rollout return
 where the task reports it; the mean of the last 100 episodes, as logged), the evaluation
 return where periodic evaluation ran, the wall-clock minutes, and, where one exists for the
 same task and step budget, a published figure with its source. ``--plot`` draws the curves as
-mean +- std bands over seeds.
+mean +- std bands over seeds. ``--per-seed`` adds each seed's return after the mean, in seed
+order, so a later run of one seed can be set beside the same seed of an earlier table.
 
 An ablation is one ``run`` folder per variant (``--out runs/abl/<variant>`` with the variant's
 ``key=value``): ``table`` given several folders labels each row ``config (variant)`` and draws
@@ -153,12 +154,14 @@ def summarize(outs: list[Path], steps: list[int]) -> list[dict]:
     for config, variant, runs in groups(outs):
         env = yaml.safe_load((runs[0] / "config.yaml").read_text())["env"]
         env_id, look = env["id"], (env.get("kwargs") or {}).get("look")  # dmc: which look drew the frames
-        rows = {d.name: read_rows(d) for d in runs}
+        rows = {d.name: read_rows(d) for d in sorted(runs, key=_seed_number)}
         for step in steps:
             row = {"config": f"{config} ({variant})" if variant else config, "env": env_id, "look": look, "steps": step, "seeds": 0}
             for column in ("episode_return", "episode_success", "eval/return", "eval/success"):
-                values = [v for v in (value_at(r, column, step) for r in rows.values()) if math.isfinite(v)]
+                by_seed = {name: value_at(r, column, step) for name, r in rows.items()}
+                values = [v for v in by_seed.values() if math.isfinite(v)]
                 row[column] = _mean_std(values)
+                row[f"{column}/seeds"] = {name: v for name, v in by_seed.items() if math.isfinite(v)}
                 if column == "episode_return":
                     row["seeds"] = len(values)
             row["minutes"] = _mean_std([wall_minutes(r, step) for r in rows.values()
@@ -177,16 +180,29 @@ def published_at(env_id: str, step: int) -> list[tuple[str, float, str]]:
     return []
 
 
+def _seed_number(run_dir: Path) -> int:
+    """'seed12' -> 12, so seeds sort as numbers (seed2 before seed10)."""
+    digits = run_dir.name.removeprefix("seed")
+    return int(digits) if digits.isdigit() else 0
+
+
 def _mean_std(values: list[float]) -> tuple[float, float, int]:
     if not values:
         return (math.nan, math.nan, 0)
     return (statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0, len(values))
 
 
-def markdown(table: list[dict]) -> str:
+def markdown(table: list[dict], per_seed: bool = False) -> str:
+    """The table as markdown; ``per_seed`` adds each seed's return, e.g. ``4.00 ± 1.41 (3, 5)``."""
     def cell(ms: tuple[float, float, int], digits: int = 2) -> str:
         mean, std, n = ms
         return "" if n == 0 else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+    def returns(r: dict, column: str) -> str:
+        text = cell(r[column])
+        if per_seed and text:
+            text += " (" + ", ".join(f"{v:.3g}" for v in r[f"{column}/seeds"].values()) + ")"
+        return text
 
     lines = ["| config | env | steps | seeds | return (train) | success (train) | return (eval) | "
              "success (eval) | minutes | published |", "|" + " --- |" * 10]
@@ -196,7 +212,7 @@ def markdown(table: list[dict]) -> str:
         published = "; ".join(f"{m} {s} ({src})" for m, s, src in r["published"])
         env = f"`{r['env']}`" + (f" ({r['look']} look)" if r.get("look") else "")
         lines.append(f"| {r['config']} | {env} | {r['steps']:,} | {r['seeds']} | "
-                     f"{cell(r['episode_return'])} | {cell(r['episode_success'])} | {cell(r['eval/return'])} | "
+                     f"{returns(r, 'episode_return')} | {cell(r['episode_success'])} | {returns(r, 'eval/return')} | "
                      f"{cell(r['eval/success'])} | {cell(r['minutes'], 0)} | {published} |")
     return "\n".join(lines)
 
@@ -257,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--plot", type=Path)
     t.add_argument("--column", default="episode_return",
                    help="metrics.csv column to plot, e.g. eval/success (default: episode_return)")
+    t.add_argument("--per-seed", action="store_true", help="add each seed's return after the mean, in seed order")
     ns, rest = parser.parse_known_args(argv)
     if ns.cmd == "run":
         configs = [c for c in ns.configs if c.suffix in (".yaml", ".yml")]
@@ -271,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {'unknown arguments ' + ' '.join(rest) if rest else ', '.join(missing) + ' is not a folder'}",
               file=sys.stderr)
         return 2
-    text = markdown(summarize(ns.out, [parse_steps(s) for s in ns.at]))
+    text = markdown(summarize(ns.out, [parse_steps(s) for s in ns.at]), ns.per_seed)
     print(text)
     if ns.markdown:
         ns.markdown.write_text(text + "\n")

@@ -152,3 +152,76 @@ def test_learning_table_puts_published_figures_beside_the_row_that_reaches_their
     assert learning_table.published_at("dmc:walker-walk", 499_712) == []
     assert learning_table.published_at("dmc:walker-walk", 600_000) == []
     assert learning_table.published_at("visppo/Reach-v0", 500_736) == []
+
+
+def _grad_share():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import grad_share
+    finally:
+        sys.path.remove(str(TOOLS))
+    return grad_share
+
+
+def test_grad_share_sends_each_loss_term_only_where_it_can_flow(tmp_path):
+    """The policy term's gradient never reaches the critic's own encoder or head, the value term's
+    never the actor's: a tool that mislabels its groups or mixes the terms up fails here."""
+    from visppo.config import load_config
+    from visppo.train import train
+
+    runs = {}
+    for name, extra in {"shared": {}, "separate": {"model.share_encoder": False},
+                        "detached": {"model.detach_actor": True}}.items():
+        runs[name] = train(load_config(None, tiny_overrides(tmp_path / name, **extra)))
+    out = tmp_path / "share.json"
+    proc = subprocess.run([sys.executable, str(TOOLS / "grad_share.py"), str(runs["shared"]), "--minibatches", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| encoder |" in proc.stdout and "clip factor" in proc.stdout
+    shared = json.loads(out.read_text())
+    assert shared["encoder/policy"] > 0 and shared["encoder/value"] > 0
+    assert shared["actor head/value"] == 0 and shared["critic head/policy"] == 0
+    assert shared["actor head/policy"] > 0 and shared["critic head/value"] > 0
+    assert 0 < shared["clip factor"] <= 1
+
+    gs = _grad_share()
+    separate = _measure(gs, runs["separate"])
+    assert separate["encoder (actor's)/value"] == 0 and separate["encoder (critic's)/policy"] == 0
+    assert separate["encoder (actor's)/policy"] > 0 and separate["encoder (critic's)/value"] > 0
+    detached = _measure(gs, runs["detached"])
+    assert detached["encoder/policy"] == 0 and detached["encoder/value"] > 0
+
+    bad = subprocess.run([sys.executable, str(TOOLS / "grad_share.py"), str(tmp_path / "nowhere")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error:") and "nowhere" in bad.stderr
+
+
+def _measure(gs, run_dir):
+    import torch
+
+    from visppo.evaluate import load_policy, resolve_checkpoint
+
+    policy, cfg, _ = load_policy(resolve_checkpoint(run_dir))
+    policy.train()
+    torch.manual_seed(0)
+    buffer = gs.rollout(policy, cfg, seed=0)
+    return gs.measure(policy, cfg, buffer, 2, torch.Generator().manual_seed(0))
+
+
+def test_grad_share_scales_rewards_as_a_norm_reward_run_does(tmp_path):
+    import torch
+
+    from visppo.config import load_config
+    from visppo.evaluate import load_policy, resolve_checkpoint
+    from visppo.train import train
+
+    run = train(load_config(None, tiny_overrides(tmp_path, **{"ppo.norm_reward": True})))
+    gs = _grad_share()
+    policy, cfg, _ = load_policy(resolve_checkpoint(run))
+    rewards = {}
+    for var in (None, 3.0):
+        torch.manual_seed(0)
+        scale = None if var is None else {"running": torch.zeros(2), "count": 10.0, "mean": 0.0, "var": var}
+        rewards[var] = gs.rollout(policy, cfg, seed=0, reward_scale=scale).rewards.clone()
+    assert rewards[None].abs().sum() > 0
+    torch.testing.assert_close(rewards[3.0], rewards[None] / (3.0 + 1e-8) ** 0.5)

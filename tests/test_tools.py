@@ -117,14 +117,19 @@ def test_learning_table_per_seed_lists_each_seeds_return_in_seed_order(tmp_path)
     assert "20.00 ± 10.00 |" in plain.stdout and "(10, 20, 30)" not in plain.stdout
 
 
-def _learning_table():
-    """tools/learning_table.py as a module (tools/ is not a package)."""
+def _tool(name: str):
+    """tools/<name>.py as a module (tools/ is not a package)."""
+    import importlib
+
     sys.path.insert(0, str(TOOLS))
     try:
-        import learning_table
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(TOOLS))
-    return learning_table
+
+
+def _learning_table():
+    return _tool("learning_table")
 
 
 def test_learning_table_run_skips_finished_runs_and_resumes_stopped_ones(tmp_path):
@@ -154,15 +159,6 @@ def test_learning_table_puts_published_figures_beside_the_row_that_reaches_their
     assert learning_table.published_at("visppo/Reach-v0", 500_736) == []
 
 
-def _grad_share():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import grad_share
-    finally:
-        sys.path.remove(str(TOOLS))
-    return grad_share
-
-
 def test_grad_share_sends_each_loss_term_only_where_it_can_flow(tmp_path):
     """The policy term's gradient never reaches the critic's own encoder or head, the value term's
     never the actor's: a tool that mislabels its groups or mixes the terms up fails here."""
@@ -184,7 +180,7 @@ def test_grad_share_sends_each_loss_term_only_where_it_can_flow(tmp_path):
     assert shared["actor head/policy"] > 0 and shared["critic head/value"] > 0
     assert 0 < shared["clip factor"] <= 1
 
-    gs = _grad_share()
+    gs = _tool("grad_share")
     separate = _measure(gs, runs["separate"])
     assert separate["encoder (actor's)/value"] == 0 and separate["encoder (critic's)/policy"] == 0
     assert separate["encoder (actor's)/policy"] > 0 and separate["encoder (critic's)/value"] > 0
@@ -216,7 +212,7 @@ def test_grad_share_scales_rewards_as_a_norm_reward_run_does(tmp_path):
     from visppo.train import train
 
     run = train(load_config(None, tiny_overrides(tmp_path, **{"ppo.norm_reward": True})))
-    gs = _grad_share()
+    gs = _tool("grad_share")
     policy, cfg, _ = load_policy(resolve_checkpoint(run))
     rewards = {}
     for var in (None, 3.0):

@@ -101,7 +101,7 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
             row[f"{name}/policy"], row[f"{name}/value"] = float(a.norm()), float(b.norm())
             if name.startswith("encoder"):
                 denom = float(a.norm() * b.norm())
-                row[f"{name}/cosine"] = float(a @ b) / denom if denom > 0 else math.nan
+                row[f"{name}/cosine"] = float(a @ b) / denom if denom > 0 else math.nan  # nan: one term is 0 there
         row["clip factor"] = min(1.0, p.max_grad_norm / row["total"]) if row["total"] > 0 else 1.0
         per_mb.append(row)
     return {k: statistics.median(r[k] for r in per_mb) for k in per_mb[0]}
@@ -114,7 +114,7 @@ def report(medians: dict, value_label: str) -> str:
         pol, val = medians[f"{n}/policy"], medians[f"{n}/value"]
         ratio = f"{val / pol:.3g}" if pol > 0 else "inf" if val > 0 else ""
         cos = medians.get(f"{n}/cosine")
-        lines.append(f"| {n} | {pol:.3g} | {val:.3g} | {ratio} | {'' if cos is None else f'{cos:.2f}'} |")
+        lines.append(f"| {n} | {pol:.3g} | {val:.3g} | {ratio} | {'' if cos is None or math.isnan(cos) else f'{cos:.2f}'} |")
     lines.append(f"\nmedian total gradient norm {medians['total']:.3g}, "
                  f"clip factor {medians['clip factor']:.3g} (ppo.max_grad_norm over the norm, at most 1)")
     return "\n".join(lines)

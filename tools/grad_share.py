@@ -34,8 +34,7 @@ def parameter_groups(policy) -> dict[str, list[torch.nn.Parameter]]:
     groups = {"encoder (actor's)" if policy.critic_encoder is not None else "encoder": list(policy.encoder.parameters())}
     if policy.critic_encoder is not None:
         groups["encoder (critic's)"] = list(policy.critic_encoder.parameters())
-    actor = list(policy.actor.parameters()) + ([policy.log_std] if hasattr(policy, "log_std") else [])
-    groups["actor head"] = actor
+    groups["actor head"] = list(policy.actor.parameters()) + ([policy.log_std] if hasattr(policy, "log_std") else [])
     groups["critic head"] = list(policy.critic.parameters())
     return groups
 

@@ -158,12 +158,10 @@ def summarize(outs: list[Path], steps: list[int]) -> list[dict]:
         for step in steps:
             row = {"config": f"{config} ({variant})" if variant else config, "env": env_id, "look": look, "steps": step, "seeds": 0}
             for column in ("episode_return", "episode_success", "eval/return", "eval/success"):
-                by_seed = {name: value_at(r, column, step) for name, r in rows.items()}
-                values = [v for v in by_seed.values() if math.isfinite(v)]
-                row[column] = _mean_std(values)
-                row[f"{column}/seeds"] = {name: v for name, v in by_seed.items() if math.isfinite(v)}
+                seeds = {name: v for name, r in rows.items() if math.isfinite(v := value_at(r, column, step))}
+                row[column], row[f"{column}/seeds"] = _mean_std(list(seeds.values())), seeds
                 if column == "episode_return":
-                    row["seeds"] = len(values)
+                    row["seeds"] = len(seeds)
             row["minutes"] = _mean_std([wall_minutes(r, step) for r in rows.values()
                                         if math.isfinite(value_at(r, "episode_return", step))])
             row["published"] = published_at(env_id, step)

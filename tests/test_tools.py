@@ -221,3 +221,23 @@ def test_grad_share_scales_rewards_as_a_norm_reward_run_does(tmp_path):
         rewards[var] = gs.rollout(policy, cfg, seed=0, reward_scale=scale).rewards.clone()
     assert rewards[None].abs().sum() > 0
     torch.testing.assert_close(rewards[3.0], rewards[None] / (3.0 + 1e-8) ** 0.5)
+
+
+def test_grad_share_measures_a_run_whose_log_std_is_scheduled_not_learned(tmp_path):
+    """configs/push.yaml schedules the log-std (model.final_log_std): that parameter has no gradient,
+    and the tool measures the others instead of failing on it."""
+    import torch
+
+    from visppo.config import load_config
+    from visppo.evaluate import load_policy, resolve_checkpoint
+    from visppo.train import train
+
+    run = train(load_config(None, tiny_overrides(tmp_path, **{"model.final_log_std": -1.0})))
+    policy, _, _ = load_policy(resolve_checkpoint(run))
+    assert not policy.log_std.requires_grad
+    groups = _tool("grad_share").parameter_groups(policy)
+    assert all(q is not policy.log_std for qs in groups.values() for q in qs)
+    proc = subprocess.run([sys.executable, str(TOOLS / "grad_share.py"), str(run), "--minibatches", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| actor head |" in proc.stdout and torch.isfinite(policy.log_std).all()

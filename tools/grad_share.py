@@ -30,13 +30,17 @@ import torch
 
 
 def parameter_groups(policy) -> dict[str, list[torch.nn.Parameter]]:
-    """Named groups whose norms the report gives; a shared encoder is one group."""
-    groups = {"encoder (actor's)" if policy.critic_encoder is not None else "encoder": list(policy.encoder.parameters())}
-    if policy.critic_encoder is not None:
-        groups["encoder (critic's)"] = list(policy.critic_encoder.parameters())
-    groups["actor head"] = list(policy.actor.parameters()) + ([policy.log_std] if hasattr(policy, "log_std") else [])
-    groups["critic head"] = list(policy.critic.parameters())
-    return groups
+    """Named groups of the parameters the optimizer trains (a scheduled log-std or a frozen trunk
+    has no gradient to measure); a shared encoder is one group."""
+    own_critic = policy.critic_encoder is not None
+    groups = {
+        "encoder (actor's)" if own_critic else "encoder": list(policy.encoder.parameters()),
+        "encoder (critic's)": list(policy.critic_encoder.parameters()) if own_critic else [],
+        "actor head": list(policy.actor.parameters()) + ([policy.log_std] if hasattr(policy, "log_std") else []),
+        "critic head": list(policy.critic.parameters()),
+    }
+    trained = {name: [q for q in qs if q.requires_grad] for name, qs in groups.items()}
+    return {name: qs for name, qs in trained.items() if qs}
 
 
 def flat_grad(loss: torch.Tensor, params: list[torch.nn.Parameter]) -> torch.Tensor:

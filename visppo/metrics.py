@@ -17,27 +17,39 @@ from visppo.config import ConfigError
 
 
 class PhaseTimer:
-    """Wall time per named phase (collect, score, update, ...) since the last ``reset``.
+    """Wall time per named phase (collect, score, update, ...) and the wall time they lie in,
+    lap by lap.
 
+    ``lap()`` reads one clock for both, outside any phase, so a lap's phases always sum to at
+    most its wall time: steps/s and the phase times of one metrics row measure the same span.
     Each phase is also a ``torch.profiler.record_function`` range, so a profiler
     trace shows the same phases (the range costs nothing when nobody profiles).
     """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.since = time.perf_counter()  # the first lap starts here
+        self.open = 0  # phases entered and not yet left
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
+        self.open += 1
         try:
             with torch.profiler.record_function(phase):
                 yield
         finally:
+            self.open -= 1
             self.seconds[phase] += time.perf_counter() - start
 
-    def reset(self) -> dict[str, float]:
-        out, self.seconds = dict(self.seconds), defaultdict(float)
-        return out
+    def lap(self) -> tuple[dict[str, float], float]:
+        """The seconds per phase since the last lap, and the wall seconds since then; starts the next."""
+        if self.open:  # the open phase would count in two laps, and its sum could pass the lap's span
+            raise RuntimeError("PhaseTimer.lap() inside a phase: end the lap between phases")
+        now = time.perf_counter()
+        out, wall = dict(self.seconds), now - self.since
+        self.seconds, self.since = defaultdict(float), now
+        return out, wall
 
 
 def iteration_profiler(run_dir: Path) -> torch.profiler.profile:

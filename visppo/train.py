@@ -16,7 +16,6 @@ import os
 import secrets
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -79,8 +78,9 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
                 run.policy.train()
                 result = update(run.policy, run.optimizer, run.buffer, run.setup)
             run.global_step += run.global_rollout
+            seconds, wall = timer.lap()  # this iteration's phases and the wall time they lie in
             with timer("log"):  # eval, logging, checkpoint: in the next row's time/log
-                log(run, iteration, episodes, result, timer.reset())
+                log(run, iteration, episodes, result, seconds, wall)
                 check_divergence(run, result)
                 maybe_checkpoint(run, iteration)
             stop_if_signalled(run, iteration)  # SIGINT / SIGTERM: final checkpoint, then Stopped
@@ -117,8 +117,6 @@ class Run:
     """The last 100 finished episodes (all ranks'), for the logged means."""
     bad_in_a_row: int = 0
     """Optimizer steps skipped in a row for a non-finite loss or gradient."""
-    mark: float = field(default_factory=time.perf_counter)
-    """When the previous iteration's steps/s was measured (it spans a whole iteration)."""
     signals: SignalRequest | None = None
     """The SIGINT / SIGTERM received during the run (asks for a final checkpoint)."""
     reward_scale: ReturnScale | None = None
@@ -177,7 +175,6 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
             stack.callback(run.logger.close)
             run.profiler = iteration_profiler(run_dir) if cfg.train.profile else None
         with run.profiler or _nothing():
-            run.mark = time.perf_counter()  # the first iteration's steps/s starts here
             signals.armed = True
             yield run
 
@@ -383,15 +380,14 @@ def scale_rewards(buffer: RolloutBuffer, scale: ReturnScale, ctx: distributed.Co
 
 
 def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult,
-        seconds: dict[str, float]) -> None:
-    """One metrics row (and a periodic evaluation when due), written by rank 0."""
+        seconds: dict[str, float], wall: float) -> None:
+    """One metrics row (and a periodic evaluation when due), written by rank 0; ``seconds`` are
+    the phase times of the ``wall`` seconds the row's steps/s is measured over."""
     if run.ctx.enabled:  # every rank's episodes, for the logs
         episodes = [e for part in distributed.all_gather(episodes) for e in part]
     run.recent = (run.recent + episodes)[-100:]
-    now = time.perf_counter()
     scalars = iteration_scalars(iteration, episodes, run.recent, run.optimizer, result, seconds,
-                                run.global_rollout / (now - run.mark))
-    run.mark = now
+                                run.global_rollout / wall)
     last = iteration == run.num_iterations
     if run.cfg.run.eval_every:  # the columns exist from the first row: the CSV header is fixed then
         scalars.update({"eval/return": float("nan"), "eval/success": float("nan")})

@@ -99,7 +99,11 @@ def _minibatch_seed(rank: int) -> int:
 def _setup(name: str):
     ppo_overrides, model_overrides, freeze_steps = SCENARIOS[name]
     policy = _policy(model_overrides)
-    optimizer = torch.optim.Adam(policy.parameters(), lr=PPO["learning_rate"], eps=1e-5)
+    # eps 1e-3, above the gradients (a thawed trunk's are ~5e-5 here): Adam's step is then about
+    # linear in the gradient, so a wrong average across ranks shows, where eps 1e-5 would divide it
+    # away. With eps 1e-5 the trunk's first steps after thawing amplify float rounding ~lr/eps:
+    # 1.5e-4 apart on an AVX-512 CPU (3e-8 with eps 1e-3); training's own eps is unchanged.
+    optimizer = torch.optim.Adam(policy.parameters(), lr=PPO["learning_rate"], eps=1e-3)
     freeze = FreezeSchedule(policy.encoders(), freeze_steps, optimizer) if freeze_steps else None
     return policy, optimizer, freeze, PPOConfig(**PPO, **ppo_overrides)
 

@@ -303,15 +303,20 @@ def test_conv_workspace_line_adds_what_the_kernels_hold_at_the_peak(monkeypatch)
 
 
 def test_conv_workspace_line_is_what_this_cpus_kernels_really_allocate():
-    """Measured for real: positive exactly when some convolution of the pass allocated beyond its
-    outputs on this CPU (oneDNN's choices differ between CPUs: on one of ours a bf16 forward
-    reorders its weights, on another it allocates nothing), and the same on a second pass."""
+    """Measured for real (oneDNN's choices differ between CPUs: on one of ours a bf16 forward
+    reorders its weights, on another it allocates nothing): the line is what a convolution's
+    workspace adds above the pass's peak, so zero when none allocated, never more than the largest
+    measured, and zero when the busiest convolution holds less than the peak's margin (an AVX-512
+    CPU measured 49 kB inside convolutions that run below the peak); the same on a second pass.
+    The arithmetic with a workspace that must show is tested with a stand-in figure above."""
     cfg = load_config(None, tiny_overrides(**{"env.image_size": 48, "train.amp": "bf16"}))
     prober = Prober(cfg, torch.device("cpu"), "fake")
     lines = prober._pass("infer_chunk", 16)
     measured = list(prober.kernel_workspace.cache.values())
     assert measured, "the pass's convolutions were measured"
-    assert (lines["conv_workspace"] > 0) == (max(measured) > 0)
+    assert 0 <= lines["conv_workspace"] <= max(measured)
+    if max(measured) == 0:
+        assert lines["conv_workspace"] == 0
     assert prober._pass("infer_chunk", 16) == lines  # deterministic (cached per signature)
 
 

@@ -314,9 +314,7 @@ def test_conv_workspace_line_is_what_this_cpus_kernels_really_allocate():
     lines = prober._pass("infer_chunk", 16)
     measured = list(prober.kernel_workspace.cache.values())
     assert measured, "the pass's convolutions were measured"
-    assert 0 <= lines["conv_workspace"] <= max(measured)
-    if max(measured) == 0:
-        assert lines["conv_workspace"] == 0
+    assert 0 <= lines["conv_workspace"] <= max(measured)  # so 0 when no convolution allocated
     assert prober._pass("infer_chunk", 16) == lines  # deterministic (cached per signature)
 
 

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  before any test makes a GL context (see envs.preload_before_gl)
@@ -9,6 +15,8 @@ import torch._dynamo  # noqa: F401  before any test makes a GL context (see envs
 from visppo.config import load_config
 
 torch.set_num_threads(2)
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_overrides(tmp_path=None, **extra) -> list[str]:
@@ -76,3 +84,27 @@ def one_error_line(err: str, *needles: str) -> str:
     for needle in needles:
         assert needle in lines[0], (needle, err)
     return lines[0]
+
+
+def train_short(config: str | None, steps: int, tmp_path: Path, overrides: tuple[str, ...] = ()) -> list[float]:
+    """Train ``configs/<config>`` (None: the default task) for ``steps`` steps through the
+    CLI, seed 1; the logged training returns (mean of the last 100 episodes, per iteration).
+
+    The learning rate is not annealed, and a log-std schedule (``model.final_log_std``) stops
+    where the full run's is at ``steps``, so the run follows the first ``steps`` of the full
+    config's run rather than a compressed copy of it. ``overrides`` go after the config's.
+    """
+    run_dir = tmp_path / "run"
+    config_args = [str(REPO / "configs" / config)] if config else []
+    full = load_config(config_args[0] if config_args else None, list(overrides))
+    if full.model.final_log_std is not None:
+        m = full.model
+        reached = m.init_log_std + (m.final_log_std - m.init_log_std) * steps / full.ppo.total_steps
+        config_args.append(f"model.final_log_std={reached}")
+    cmd = [sys.executable, "-m", "visppo", "train", *config_args, *overrides, f"ppo.total_steps={steps}",
+           "ppo.anneal_lr=false", f"run.dir={run_dir}", "run.progress=false", "run.tensorboard=false",
+           "run.checkpoint_every=1000", "train.seed=1", "train.threads=1"]
+    subprocess.run(cmd, check=True, cwd=tmp_path, timeout=3600)
+    with (run_dir / "metrics.csv").open() as f:
+        returns = [float(row["episode_return"]) for row in csv.DictReader(f)]
+    return [r for r in returns if math.isfinite(r)]

@@ -3,7 +3,14 @@ import numpy as np
 import pytest
 import torch
 
-from visppo.buffer import ReturnScale, RolloutBuffer, compute_gae, micro_batches, minibatches
+from visppo.buffer import (
+    ReturnScale,
+    RolloutBuffer,
+    compute_gae,
+    explained_variance,
+    micro_batches,
+    minibatches,
+)
 
 
 def _gae(rewards, values, last, term, trunc, final, gamma=0.9, lam=0.8):
@@ -168,3 +175,13 @@ def test_return_scale_state_round_trips():
     b = ReturnScale(3, 0.99)
     b.load_state_dict(a.state_dict())
     assert (b.count, b.mean, b.var) == (a.count, a.mean, a.var) and torch.equal(b.running, a.running)
+
+
+def test_explained_variance_against_hand_computed_numbers():
+    returns = torch.tensor([[1.0, 3.0], [5.0, 7.0]])  # [T, N]; mean 4, unbiased variance 20/3
+    # residuals -1, 0, 1, 0: unbiased variance 2/3, so 1 - (2/3) / (20/3) = 0.9
+    assert explained_variance(torch.tensor([[2.0, 3.0], [4.0, 7.0]]), returns) == pytest.approx(0.9)
+    assert explained_variance(returns.clone(), returns) == pytest.approx(1.0)
+    assert explained_variance(torch.full((2, 2), 4.0), returns) == pytest.approx(0.0)  # the mean: no better
+    assert explained_variance(-returns, returns) == pytest.approx(1.0 - 4.0)  # residual 2x the returns
+    assert np.isnan(explained_variance(torch.zeros(2, 2), torch.ones(2, 2)))

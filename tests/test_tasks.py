@@ -7,7 +7,6 @@ from visppo_envs._gl import ensure_headless_gl
 
 ensure_headless_gl()  # before anything imports mujoco
 
-import csv  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -20,6 +19,7 @@ import gymnasium as gym  # noqa: E402
 import mujoco  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from conftest import train_short  # noqa: E402
 from gymnasium.utils.env_checker import check_env  # noqa: E402
 
 import visppo_envs  # noqa: E402, F401  registers the ids
@@ -539,32 +539,6 @@ def test_assets_load_from_an_installed_wheel(tmp_path):
 
 
 # ------------------------------------------- short training runs (pytest -m slow)
-def train_short(config: str | None, steps: int, tmp_path: Path) -> list[float]:
-    """Train ``configs/<config>`` (None: the default task) for ``steps`` steps through the
-    CLI; the logged returns.
-
-    The learning rate is not annealed, and a log-std schedule (``model.final_log_std``) stops
-    where the full run's is at ``steps``, so the run follows the first ``steps`` of the full
-    config's run rather than a compressed copy of it.
-    """
-    from visppo.config import load_config
-
-    run_dir = tmp_path / "run"
-    config_args = [str(REPO / "configs" / config)] if config else []
-    full = load_config(config_args[0] if config_args else None)
-    if full.model.final_log_std is not None:
-        m = full.model
-        reached = m.init_log_std + (m.final_log_std - m.init_log_std) * steps / full.ppo.total_steps
-        config_args.append(f"model.final_log_std={reached}")
-    cmd = [sys.executable, "-m", "visppo", "train", *config_args, f"ppo.total_steps={steps}", "ppo.anneal_lr=false", f"run.dir={run_dir}",
-           "run.progress=false", "run.tensorboard=false", "run.checkpoint_every=1000",
-           "train.seed=1", "train.threads=1"]
-    subprocess.run(cmd, check=True, cwd=tmp_path, timeout=3600)
-    with (run_dir / "metrics.csv").open() as f:
-        returns = [float(row["episode_return"]) for row in csv.DictReader(f)]
-    return [r for r in returns if np.isfinite(r)]
-
-
 @pytest.mark.slow
 def test_reach_training_rises_above_random(tmp_path):
     """The default task (`visppo train`): a random policy returns 0.29 with 0% success; the

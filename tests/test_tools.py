@@ -241,3 +241,55 @@ def test_grad_share_measures_a_run_whose_log_std_is_scheduled_not_learned(tmp_pa
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| actor head |" in proc.stdout and torch.isfinite(policy.log_std).all()
+
+
+def _baselines():
+    return _tool("baselines")
+
+
+class _CountingEnv:
+    """Reward = the action's first entry, 3 steps an episode, success when the return is positive;
+    records the reset seeds."""
+
+    def __init__(self):
+        import gymnasium as gym
+        import numpy as np
+
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.seeds, self.t = [], 0
+
+    def reset(self, seed=None):
+        self.seeds.append(seed)
+        self.t, self.total = 0, 0.0
+        return None, {}
+
+    def step(self, action):
+        self.t += 1
+        self.total += float(action[0])
+        return None, float(action[0]), False, self.t == 3, {"is_success": self.total > 0}
+
+
+def test_baselines_sum_each_episodes_rewards_and_reset_episode_i_with_seed_plus_i():
+    import numpy as np
+
+    baselines = _baselines()
+    env = _CountingEnv()
+    actions = iter([np.array([a, 0.0]) for a in (0.5, -0.25, 0.5, -1.0, 0.0, 0.25)])
+    results = baselines.episode_returns(env, lambda: next(actions), episodes=2, seed=7)
+    assert results == [(0.75, True), (-0.75, False)] and env.seeds == [7, 8]
+    table = baselines.report({"zero": [(0.0, None), (2.0, None)]})
+    assert "| zero | 2 | 1.00 ± 1.00 | 0.00 | 2.00 |  |" in table
+
+
+def test_baselines_runs_the_configs_env_and_refuses_bad_input(tmp_path):
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "dot_reach.yaml")
+    proc = subprocess.run([sys.executable, str(TOOLS / "baselines.py"), config, "env.image_size=48",
+                           "--episodes", "2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| random", "| zero"))]
+    assert [row.split(" | ")[1] for row in rows] == ["2", "2"] and all(row.endswith("% |") for row in rows), proc.stdout
+    for args, needle in ((["--episodes", "0"], "--episodes"), (["ppo.bogus=1"], "bogus")):
+        proc = subprocess.run([sys.executable, str(TOOLS / "baselines.py"), config, *args],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and proc.stderr.startswith("error:") and needle in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -47,6 +47,7 @@ def test_run_directory_layout(tmp_path):
     assert (run_dir / "checkpoints" / "iter_000002.pt").is_file()
     assert [p.name for p in (run_dir / "videos").iterdir()] == ["iter_000002.mp4"]
     assert rows[0]["eval/return"] == "nan" and rows[-1]["eval/return"] != "nan"
+    assert all(float(r["value/explained_variance"]) <= 1.0 for r in rows)
 
 
 @pytest.mark.timeout(900)

@@ -45,6 +45,14 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, last_value: torch.T
     return advantages, advantages + values
 
 
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """``1 - Var(returns - values) / Var(returns)``: how much of the rollout's return targets the
+    critic predicted before the update (1 perfect, 0 no better than their mean, below 0 worse).
+    A critic stuck near 0 leaves the advantages mostly noise. NaN when the targets do not vary."""
+    var = float(torch.var(returns.float()))
+    return float("nan") if var == 0 else 1.0 - float(torch.var((returns - values).float())) / var
+
+
 class ReturnScale:
     """Running standard deviation of the discounted return, to scale rewards (``ppo.norm_reward``).
 

@@ -28,7 +28,7 @@ import torch
 
 from visppo import checkpoint as ckpt_io
 from visppo import distributed
-from visppo.buffer import ReturnScale, RolloutBuffer, compute_gae
+from visppo.buffer import ReturnScale, RolloutBuffer, compute_gae, explained_variance
 from visppo.builders import (
     anneal_lr,
     build_optimizer,
@@ -74,13 +74,14 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
                 b.advantages[:], b.returns[:] = compute_gae(b.rewards, b.values, last_value, b.terminated,
                                                             b.truncated, b.final_values, cfg.ppo.gamma,
                                                             cfg.ppo.gae_lambda)
+                value_fit = explained_variance(b.values, b.returns)
             with timer("update"):
                 run.policy.train()
                 result = update(run.policy, run.optimizer, run.buffer, run.setup)
             run.global_step += run.global_rollout
             seconds, wall = timer.lap()  # this iteration's phases and the wall time they lie in
             with timer("log"):  # eval, logging, checkpoint: in the next row's time/log
-                log(run, iteration, episodes, result, seconds, wall)
+                log(run, iteration, episodes, result, value_fit, seconds, wall)
                 check_divergence(run, result)
                 maybe_checkpoint(run, iteration)
             stop_if_signalled(run, iteration)  # SIGINT / SIGTERM: final checkpoint, then Stopped
@@ -379,15 +380,16 @@ def scale_rewards(buffer: RolloutBuffer, scale: ReturnScale, ctx: distributed.Co
     buffer.rewards /= scale.std
 
 
-def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult,
+def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult, value_fit: float,
         seconds: dict[str, float], wall: float) -> None:
-    """One metrics row (and a periodic evaluation when due), written by rank 0; ``seconds`` are
-    the phase times of the ``wall`` seconds the row's steps/s is measured over."""
+    """One metrics row (and a periodic evaluation when due), written by rank 0; ``value_fit`` is the
+    critic's explained variance on rank 0's rollout; ``seconds`` are the phase times of the ``wall``
+    seconds the row's steps/s is measured over."""
     if run.ctx.enabled:  # every rank's episodes, for the logs
         episodes = [e for part in distributed.all_gather(episodes) for e in part]
     run.recent = (run.recent + episodes)[-100:]
-    scalars = iteration_scalars(iteration, episodes, run.recent, run.optimizer, result, seconds,
-                                run.global_rollout / wall)
+    scalars = iteration_scalars(iteration, episodes, run.recent, run.optimizer, result, value_fit,
+                                seconds, run.global_rollout / wall)
     last = iteration == run.num_iterations
     if run.cfg.run.eval_every:  # the columns exist from the first row: the CSV header is fixed then
         scalars.update({"eval/return": float("nan"), "eval/success": float("nan")})
@@ -462,8 +464,8 @@ def periodic_eval(policy: ActorCritic, cfg: Config, run_dir: Path, iteration: in
 
 
 def iteration_scalars(iteration: int, episodes: list[dict], recent: list[dict],
-                      optimizer: torch.optim.Optimizer, result: UpdateResult, seconds: dict[str, float],
-                      steps_per_second: float) -> dict[str, float]:
+                      optimizer: torch.optim.Optimizer, result: UpdateResult, value_fit: float,
+                      seconds: dict[str, float], steps_per_second: float) -> dict[str, float]:
     """One row of metrics.csv: episode stats over the last 100 episodes, losses, phase times
     (``time/log`` is the previous iteration's eval, logging and checkpoint: 0 in the first row)."""
     seconds = {**seconds, "log": seconds.get("log", 0.0)}
@@ -477,6 +479,7 @@ def iteration_scalars(iteration: int, episodes: list[dict], recent: list[dict],
         "optimizer_steps": result.optimizer_steps,
         "skipped_steps": result.skipped_steps,
         **{f"loss/{k}": v for k, v in result.losses().items()},
+        "value/explained_variance": value_fit,
         **{f"time/{k}": v for k, v in seconds.items()},
     }
 

@@ -8,6 +8,7 @@ from visppo.buffer import (
     RolloutBuffer,
     compute_gae,
     explained_variance,
+    merge_moments,
     micro_batches,
     minibatches,
 )
@@ -185,3 +186,13 @@ def test_explained_variance_against_hand_computed_numbers():
     assert explained_variance(torch.full((2, 2), 4.0), returns) == pytest.approx(0.0)  # the mean: no better
     assert explained_variance(-returns, returns) == pytest.approx(1.0 - 4.0)  # residual 2x the returns
     assert np.isnan(explained_variance(torch.zeros(2, 2), torch.ones(2, 2)))
+
+
+def test_merge_moments_equals_the_moments_of_both_samples_together():
+    a, b = torch.tensor([1.0, 2.0, 6.0]), torch.tensor([10.0, 12.0])
+    both = torch.cat([a, b])
+    count, mean, var = merge_moments(0, 0.0, 1.0, 3, a.mean().item(), a.var(unbiased=False).item())
+    assert (count, mean, var) == (3, pytest.approx(3.0), pytest.approx(a.var(unbiased=False).item()))
+    count, mean, var = merge_moments(count, mean, var, 2, b.mean().item(), b.var(unbiased=False).item())
+    assert (count, mean, var) == (5, pytest.approx(both.mean().item()), pytest.approx(both.var(unbiased=False).item()))
+    assert merge_moments(4, 1.0, 2.0, 0, 0.0, 0.0) == (4, 1.0, 2.0)

@@ -43,8 +43,10 @@ SCENARIOS = {
     # the update stops after one step, on both ranks; a per-rank check would stop rank 1 first
     "target_kl": ({"target_kl": 8e-4}, {}, 0),
     "drac": ({"drac_coef": 0.1}, {"augment": "shift"}, 0),  # score_actions_augmented
+    # the returns' statistics over both ranks (std 2.3; rank 0's alone would be floored at 1)
+    "norm_value": ({}, {"norm_value": True}, 0),
 }
-EQUIVALENT = ("micro", "freeze", "target_kl")  # DrAC's shifts are drawn per rank: not one process's
+EQUIVALENT = ("micro", "freeze", "target_kl", "norm_value")  # DrAC's shifts are drawn per rank: not one process's
 STEPS_PER_UPDATE = 6  # 2 epochs x 3 minibatches
 BACKWARDS_PER_UPDATE = 16  # 2 epochs x (3 + 3 + 2) micro-batches
 
@@ -140,7 +142,10 @@ def _rank_worker(rank: int, world: int, port: int, out: str) -> None:
         generator = torch.Generator().manual_seed(_minibatch_seed(rank))
         if rank and policy.augment is not None:  # as train() does: each rank its own shifts
             policy.augment.generator.manual_seed(distributed.rank_seed(0, rank))
-        first = update_with(policy, optimizer, _fill(policy, rank, 0), cfg, MICRO, 1024,
+        buf = _fill(policy, rank, 0)
+        if policy.norm_value:  # as train() does before each update
+            ppo_module.update_value_norm(policy, buf.returns, across_ranks=True)
+        first = update_with(policy, optimizer, buf, cfg, MICRO, 1024,
                             generator, before_step=freeze, across_ranks=True)
         after_first = {k: v.clone() for k, v in policy.state_dict().items()}
         first_counts = dict(counts)
@@ -182,7 +187,10 @@ def _one_process_update(name: str) -> tuple[ActorCritic, object]:
 
     ppo_module.minibatches = union_of_ranks  # in the reference's own process, which ends after it
     cfg.minibatch_size = 2 * MINIBATCH
-    result = update_with(policy, optimizer, _concat(bufs), cfg, cfg.minibatch_size, 1024,
+    both = _concat(bufs)
+    if policy.norm_value:
+        ppo_module.update_value_norm(policy, both.returns)
+    result = update_with(policy, optimizer, both, cfg, cfg.minibatch_size, 1024,
                     torch.Generator(), before_step=freeze)
     return policy, result
 
@@ -249,7 +257,8 @@ def test_two_all_reduces_per_optimizer_step(two_ranks):
 # episodes of 16 steps, rollouts of 32: every iteration starts on fresh episodes (exact resume)
 EXACT = {"env.max_episode_steps": 16, "ppo.total_steps": 384, "run.checkpoint_every": 1,
          "train.deterministic": "true", "ppo.minibatch_size": 24, "memory.micro_batch_size": 10,
-         "run.tensorboard": "true", "model.augment": "shift", "ppo.drac_coef": 0.1, "ppo.norm_reward": "true"}
+         "run.tensorboard": "true", "model.augment": "shift", "ppo.drac_coef": 0.1, "ppo.norm_reward": "true",
+         "model.norm_value": "true"}
 
 
 def _torchrun(args: list[str]) -> subprocess.CompletedProcess:

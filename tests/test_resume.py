@@ -26,10 +26,11 @@ class Interrupted(Exception):
     pass
 
 
-@pytest.mark.parametrize("extra", [{}, {"ppo.norm_reward": "true"}], ids=["plain", "norm_reward"])
+@pytest.mark.parametrize("extra", [{}, {"ppo.norm_reward": "true"}, {"model.norm_value": "true"}],
+                         ids=["plain", "norm_reward", "norm_value"])
 def test_a_resumed_run_ends_with_the_same_parameters_as_an_uninterrupted_one(tmp_path, monkeypatch, extra):
     """With ppo.norm_reward the return statistics must be restored too: the scale after the cut
-    depends on every reward seen before it."""
+    depends on every reward seen before it; with model.norm_value so must the value targets'."""
     full = train(load_config(None, tiny_overrides(tmp_path / "full", **EXACT, **extra)))
 
     real_save = ckpt_module.save_checkpoint
@@ -51,8 +52,10 @@ def test_a_resumed_run_ends_with_the_same_parameters_as_an_uninterrupted_one(tmp
     a = load(full / "checkpoints" / "latest.pt")
     b = load(resumed / "checkpoints" / "latest.pt")
     assert a["global_step"] == b["global_step"] == 256
-    if extra:
+    if "ppo.norm_reward" in extra:
         assert a["reward_scale"]["count"] == b["reward_scale"]["count"] == pytest.approx(256, abs=1e-3)
+    if "model.norm_value" in extra:
+        assert a["model"]["value_count"] == b["model"]["value_count"] == 256
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
     steps = [int(r["global_step"]) for r in csv.DictReader((resumed / "metrics.csv").open())]

@@ -94,8 +94,8 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
         adv = normalize_advantages(advantages[mb]) if p.norm_adv else advantages[mb]
         logp, entropy, values = policy.score_actions(obs_of(batch), batch["actions"])
         args = (logp, batch["logp"], adv, values, batch["values"], batch["returns"], entropy, p.clip_coef, p.clip_value)
-        full, _ = ppo_loss(*args, p.value_coef, p.entropy_coef)
-        surrogate, _ = ppo_loss(*args, 0.0, 0.0)
+        full, _ = ppo_loss(*args, p.value_coef, p.entropy_coef, policy.value_scale())
+        surrogate, _ = ppo_loss(*args, 0.0, 0.0, policy.value_scale())
         g_full = flat_grad(full.mean(), params)
         g_pg = flat_grad(surrogate.mean(), params)
         g_rest = g_full - g_pg

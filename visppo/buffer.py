@@ -45,6 +45,18 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, last_value: torch.T
     return advantages, advantages + values
 
 
+def merge_moments(count: float, mean: float, var: float, batch_count: float, batch_mean: float,
+                  batch_var: float) -> tuple[float, float, float]:
+    """Count, mean and (population) variance of two samples together, from each one's
+    (Chan et al.'s parallel rule); a ``count`` of 0 gives the batch's own."""
+    total = count + batch_count
+    if total == 0:
+        return count, mean, var
+    delta = batch_mean - mean
+    m2 = var * count + batch_var * batch_count + delta**2 * count * batch_count / total
+    return total, mean + delta * batch_count / total, m2 / total
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
     """``1 - Var(returns - values) / Var(returns)``: how much of the rollout's return targets the
     critic predicted before the update (1 perfect, 0 no better than their mean, below 0 worse).
@@ -83,14 +95,11 @@ class ReturnScale:
 
     def add(self, returns: torch.Tensor) -> None:
         """Merge a batch of returns into the running mean and variance (Chan et al.'s parallel rule)."""
-        n = returns.numel()
-        if n == 0:
+        if returns.numel() == 0:
             return
-        b_mean, b_var = returns.double().mean().item(), returns.double().var(unbiased=False).item()
-        total = self.count + n
-        delta = b_mean - self.mean
-        m2 = self.var * self.count + b_var * n + delta**2 * self.count * n / total
-        self.mean, self.var, self.count = self.mean + delta * n / total, m2 / total, total
+        r = returns.double()
+        self.count, self.mean, self.var = merge_moments(self.count, self.mean, self.var, r.numel(),
+                                                        r.mean().item(), r.var(unbiased=False).item())
 
     @property
     def std(self) -> float:

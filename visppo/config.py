@@ -108,6 +108,8 @@ class ModelConfig:
     """The actor reads the shared encoder's features detached, so only the critic's loss trains the encoder (DrQ-v2's actor); needs share_encoder. DMC at 100k, one seed: finger-spin 0 vs 140-279, cartpole-balance 326 vs 403 (README): off."""
     init_log_std: float = -0.5
     """Initial log standard deviation of the Gaussian policy (Box actions)."""
+    norm_value: bool = False
+    """The critic learns value targets centred and scaled by their running mean and std (value normalisation); its outputs are mapped back to return units, so GAE is unchanged. Without it, a task whose returns are large and alike (DMC cartpole-balance: ~150 in every state) saturates the critic's tanh layer and leaves a constant value (explained variance 0; README)."""
     final_log_std: float | None = None
     """If set, the log-std is not learned but moves linearly from init_log_std to this over ppo.total_steps (DrQ-v2's std schedule). Push at 1M, -1.6: deterministic success 78% vs 48% learned (3 seeds); it collapsed cartpole-swingup at 100k (README)."""
 

@@ -60,6 +60,11 @@ class ActorCritic(nn.Module):
         feat = self.encoder.out_dim
         self.actor = _mlp(feat, cfg.hidden_dim, act_dim, 0.01)
         self.critic = _mlp(feat, cfg.hidden_dim, 1, 1.0)
+        self.norm_value = cfg.norm_value
+        if cfg.norm_value:  # the value targets' running moments (ppo.update_value_norm), saved with the weights
+            self.register_buffer("value_count", torch.zeros((), dtype=torch.float64))
+            self.register_buffer("value_mean", torch.zeros((), dtype=torch.float64))
+            self.register_buffer("value_var", torch.ones((), dtype=torch.float64))
         self.encoder_name = cfg.encoder
         self.augment = make_augmentation(cfg.augment, cfg.shift_pad)  # last: it draws its seed
 
@@ -85,10 +90,20 @@ class ActorCritic(nn.Module):
         return actor_feats, critic_feats
 
     def _value(self, critic_feats: torch.Tensor) -> torch.Tensor:
-        """The value head's last layer runs in fp32: bf16 would round returns of ~100 to 0.5."""
+        """The value in return units. The head's last layer runs in fp32: bf16 would round returns
+        of ~100 to 0.5; with norm_value its output is a normalised value, mapped back here."""
         hidden = self.critic[:-1](critic_feats)
         with torch.autocast(hidden.device.type, enabled=False):
-            return self.critic[-1](hidden.float()).squeeze(-1)
+            out = self.critic[-1](hidden.float()).squeeze(-1)
+            return out * self.value_scale() + self.value_mean.float() if self.norm_value else out
+
+    def value_scale(self) -> torch.Tensor | float:
+        """What the value loss divides value errors by: the targets' running std with norm_value
+        (floored at 1, so returns that barely vary, as before a sparse task's first reward, are
+        not blown up), else 1."""
+        if not self.norm_value:
+            return 1.0
+        return self.value_var.sqrt().clamp(min=1.0).float()
 
     def _dist(self, actor_feats: torch.Tensor) -> Normal | Categorical:
         return self._dist_of(self.actor(actor_feats).float())

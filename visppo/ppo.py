@@ -35,7 +35,14 @@ import torch
 from torch import nn
 
 from visppo import distributed
-from visppo.buffer import RolloutBuffer, compute_gae, micro_batches, minibatches, obs_of
+from visppo.buffer import (
+    RolloutBuffer,
+    compute_gae,
+    merge_moments,
+    micro_batches,
+    minibatches,
+    obs_of,
+)
 from visppo.config import PPOConfig
 from visppo.memory import is_oom
 from visppo.policy import ActorCritic, Obs
@@ -152,20 +159,23 @@ def recompute_advantages(policy: ActorCritic, buffer: RolloutBuffer, setup: Upda
 def ppo_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
              new_values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
              entropy: torch.Tensor, clip_coef: float, clip_value: bool, value_coef: float,
-             entropy_coef: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             entropy_coef: float, value_scale: float | torch.Tensor = 1.0
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-sample PPO loss (clipped surrogate + value + entropy), not reduced.
 
     The caller reduces with ``sum() / minibatch_size`` so that micro-batches
     add up to the minibatch mean. Also returns per-sample statistics (detached)
     whose sums over the minibatch give its mean losses, approx-KL and clip fraction.
+    Values and returns are in return units; value errors (and the value clip range) are
+    measured in units of ``value_scale`` (the critic's normalisation std with model.norm_value).
     """
     log_ratio = new_logp - old_logp
     ratio = log_ratio.exp()
     pg = -torch.min(ratio * advantages, ratio.clamp(1 - clip_coef, 1 + clip_coef) * advantages)
-    v_err = (new_values - returns) ** 2
+    v_err = ((new_values - returns) / value_scale) ** 2
     if clip_value:
-        clipped = old_values + (new_values - old_values).clamp(-clip_coef, clip_coef)
-        v_err = torch.max(v_err, (clipped - returns) ** 2)
+        clipped = old_values + (new_values - old_values).clamp(-clip_coef * value_scale, clip_coef * value_scale)
+        v_err = torch.max(v_err, ((clipped - returns) / value_scale) ** 2)
     v_loss = 0.5 * v_err
     loss = pg + value_coef * v_loss - entropy_coef * entropy
     with torch.no_grad():
@@ -177,6 +187,22 @@ def ppo_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.T
             "clip_frac": ((ratio - 1).abs() > clip_coef).float(),
         }
     return loss, stats
+
+
+def update_value_norm(policy: ActorCritic, returns: torch.Tensor, across_ranks: bool = False) -> None:
+    """Merge a rollout's value targets (every rank's, with ``across_ranks``) into the critic's running
+    mean and variance (model.norm_value), before the update that learns them."""
+    if across_ranks:
+        mean, std, n = distributed.mean_std(returns)
+        var = std * std * (n - 1) / n if n > 1 else 0.0
+    else:
+        r = returns.detach().double()
+        mean, var, n = r.mean().item(), r.var(unbiased=False).item(), r.numel()
+    count, mean, var = merge_moments(policy.value_count.item(), policy.value_mean.item(), policy.value_var.item(),
+                                     n, mean, var)
+    policy.value_count.fill_(count)
+    policy.value_mean.fill_(mean)
+    policy.value_var.fill_(var)
 
 
 def normalize_advantages(adv: torch.Tensor, across_ranks: bool = False) -> torch.Tensor:
@@ -256,6 +282,7 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     from visppo.augment import drac_loss
 
     cfg, precision, n = setup.ppo, setup.precision, len(mb)
+    value_scale = policy.value_scale()
     augment = policy.augment if cfg.drac_coef else None
     if augment is not None:
         draws, rng_after = augment.draw_ahead(n)
@@ -273,9 +300,9 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
                     policy.score_actions_augmented(obs, aug_obs, actions)
         loss, stats = ppo_loss(new_logp, batch["logp"], advantages[offset:stop].to(setup.device),
                                new_values, batch["values"], batch["returns"], entropy, cfg.clip_coef,
-                               cfg.clip_value, cfg.value_coef, cfg.entropy_coef)
+                               cfg.clip_value, cfg.value_coef, cfg.entropy_coef, value_scale)
         if augment is not None:
-            reg, reg_stats = drac_loss(dist, new_values, aug_dist, aug_values)
+            reg, reg_stats = drac_loss(dist, new_values / value_scale, aug_dist, aug_values / value_scale)
             loss = loss + cfg.drac_coef * reg
             stats.update(reg_stats)
         loss = loss.sum() / n  # the minibatch mean, split over micro-batches

@@ -44,7 +44,14 @@ from visppo.envs import check_env_id, make_vector_env
 from visppo.evaluate import run_episodes
 from visppo.metrics import Logger, PhaseTimer, iteration_profiler
 from visppo.policy import ActorCritic
-from visppo.ppo import MemorySizes, UpdateResult, UpdateSetup, compute_values, update
+from visppo.ppo import (
+    MemorySizes,
+    UpdateResult,
+    UpdateSetup,
+    compute_values,
+    update,
+    update_value_norm,
+)
 from visppo.precision import RunPrecision, for_run
 from visppo.probe import probe
 from visppo.rollout import ActingCopy, RolloutState, collect
@@ -75,6 +82,8 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
                                                             b.truncated, b.final_values, cfg.ppo.gamma,
                                                             cfg.ppo.gae_lambda)
                 value_fit = explained_variance(b.values, b.returns)
+                if cfg.model.norm_value:
+                    update_value_norm(run.policy, b.returns, run.setup.across_ranks)
             with timer("update"):
                 run.policy.train()
                 result = update(run.policy, run.optimizer, run.buffer, run.setup)

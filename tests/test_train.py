@@ -224,3 +224,18 @@ def test_without_a_schedule_the_log_std_is_learned(tmp_path):
     cfg = load_config(None, tiny_overrides(tmp_path, **{"model.init_log_std": -0.5}))
     final = torch.load(train(cfg) / "checkpoints" / "latest.pt", weights_only=True)["model"]["log_std"]
     assert not torch.allclose(final, torch.full_like(final, -0.5))
+
+
+def test_a_flat_critic_is_reported_once_after_20_iterations_in_a_row():
+    from types import SimpleNamespace
+
+    from visppo.train import warn_if_flat_critic
+
+    said = []
+    run = SimpleNamespace(flat_critic=0, logger=SimpleNamespace(message=said.append))
+    for fit in [0.0] * 19 + [0.5] + [0.0] * 19:  # a fitting iteration restarts the count
+        warn_if_flat_critic(run, fit)
+    assert said == []
+    for fit in [-0.0002] + [0.0] * 30:
+        warn_if_flat_critic(run, fit)
+    assert len(said) == 1 and said[0].startswith("warning: ") and "model.norm_value=true" in said[0]

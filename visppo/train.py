@@ -92,6 +92,7 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
             with timer("log"):  # eval, logging, checkpoint: in the next row's time/log
                 log(run, iteration, episodes, result, value_fit, seconds, wall)
                 check_divergence(run, result)
+                warn_if_flat_critic(run, value_fit)
                 maybe_checkpoint(run, iteration)
             stop_if_signalled(run, iteration)  # SIGINT / SIGTERM: final checkpoint, then Stopped
     return run.dir
@@ -126,6 +127,8 @@ class Run:
     recent: list[dict] = field(default_factory=list)
     """The last 100 finished episodes (all ranks'), for the logged means."""
     bad_in_a_row: int = 0
+    flat_critic: int = 0
+    """Iterations in a row whose critic explained none of the returns (see warn_if_flat_critic)."""
     """Optimizer steps skipped in a row for a non-finite loss or gradient."""
     signals: SignalRequest | None = None
     """The SIGINT / SIGTERM received during the run (asks for a final checkpoint)."""
@@ -425,6 +428,20 @@ def check_divergence(run: Run, result: UpdateResult) -> None:
         raise RunError(f"training diverged: {run.bad_in_a_row} optimizer steps in a row had a non-finite "
                        f"loss or gradient (train.max_bad_steps={run.cfg.train.max_bad_steps}); {kept}: "
                        f"{fix} and start a new run")
+
+
+FLAT_CRITIC_ITERATIONS = 20
+
+
+def warn_if_flat_critic(run: Run, value_fit: float) -> None:
+    """Say once when the critic has explained none of the returns (|explained variance| < 1e-3)
+    for 20 iterations in a row: its value is then a constant (a saturated hidden layer, measured on
+    DMC cartpole-balance), the advantages are the returns' noise, and the policy drifts."""
+    run.flat_critic = run.flat_critic + 1 if abs(value_fit) < 1e-3 else 0
+    if run.flat_critic == FLAT_CRITIC_ITERATIONS and run.logger is not None:
+        run.logger.message(f"warning: the critic has explained none of the returns for {FLAT_CRITIC_ITERATIONS} "
+                           "iterations (value/explained_variance ~ 0): its value is a constant; large, alike "
+                           "returns saturate it: try model.norm_value=true")
 
 
 def maybe_checkpoint(run: Run, iteration: int) -> None:

@@ -142,10 +142,7 @@ def _rank_worker(rank: int, world: int, port: int, out: str) -> None:
         generator = torch.Generator().manual_seed(_minibatch_seed(rank))
         if rank and policy.augment is not None:  # as train() does: each rank its own shifts
             policy.augment.generator.manual_seed(distributed.rank_seed(0, rank))
-        buf = _fill(policy, rank, 0)
-        if policy.norm_value:  # as train() does before each update
-            ppo_module.update_value_norm(policy, buf.returns, across_ranks=True)
-        first = update_with(policy, optimizer, buf, cfg, MICRO, 1024,
+        first = update_with(policy, optimizer, _fill(policy, rank, 0), cfg, MICRO, 1024,
                             generator, before_step=freeze, across_ranks=True)
         after_first = {k: v.clone() for k, v in policy.state_dict().items()}
         first_counts = dict(counts)
@@ -187,10 +184,7 @@ def _one_process_update(name: str) -> tuple[ActorCritic, object]:
 
     ppo_module.minibatches = union_of_ranks  # in the reference's own process, which ends after it
     cfg.minibatch_size = 2 * MINIBATCH
-    both = _concat(bufs)
-    if policy.norm_value:
-        ppo_module.update_value_norm(policy, both.returns)
-    result = update_with(policy, optimizer, both, cfg, cfg.minibatch_size, 1024,
+    result = update_with(policy, optimizer, _concat(bufs), cfg, cfg.minibatch_size, 1024,
                     torch.Generator(), before_step=freeze)
     return policy, result
 

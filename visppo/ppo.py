@@ -369,8 +369,11 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
            setup: UpdateSetup) -> UpdateResult:
     """``ppo.num_epochs`` passes over the buffer in minibatches, each accumulated over micro-batches,
     clipped and stepped once. With ``ppo.target_kl``, a minibatch whose approx-KL exceeds 1.5x the
-    target is not stepped and the update stops (Stable-Baselines3's rule)."""
+    target is not stepped and the update stops (Stable-Baselines3's rule). With model.norm_value,
+    the rollout's returns first join the critic's target statistics."""
     cfg = setup.ppo
+    if policy.norm_value:
+        update_value_norm(policy, buffer.returns, setup.across_ranks)
     params = [p for p in policy.parameters() if p.requires_grad]
     result, totals = UpdateResult(), {}
     for epoch in range(cfg.num_epochs):

@@ -50,7 +50,6 @@ from visppo.ppo import (
     UpdateSetup,
     compute_values,
     update,
-    update_value_norm,
 )
 from visppo.precision import RunPrecision, for_run
 from visppo.probe import probe
@@ -81,9 +80,7 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
                 b.advantages[:], b.returns[:] = compute_gae(b.rewards, b.values, last_value, b.terminated,
                                                             b.truncated, b.final_values, cfg.ppo.gamma,
                                                             cfg.ppo.gae_lambda)
-                value_fit = explained_variance(b.values, b.returns)
-                if cfg.model.norm_value:
-                    update_value_norm(run.policy, b.returns, run.setup.across_ranks)
+                value_fit = explained_variance(b.values, b.returns)  # the critic's, before the update
             with timer("update"):
                 run.policy.train()
                 result = update(run.policy, run.optimizer, run.buffer, run.setup)
@@ -92,7 +89,6 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
             with timer("log"):  # eval, logging, checkpoint: in the next row's time/log
                 log(run, iteration, episodes, result, value_fit, seconds, wall)
                 check_divergence(run, result)
-                warn_if_flat_critic(run, value_fit)
                 maybe_checkpoint(run, iteration)
             stop_if_signalled(run, iteration)  # SIGINT / SIGTERM: final checkpoint, then Stopped
     return run.dir
@@ -407,6 +403,7 @@ def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult, va
         scalars.update({"eval/return": float("nan"), "eval/success": float("nan")})
         if run.ctx.is_main and (iteration % run.cfg.run.eval_every == 0 or last):
             scalars.update(periodic_eval(run.policy, run.cfg, run.dir, iteration, run.device))
+    warn_if_flat_critic(run, value_fit)
     if run.logger is not None:
         if iteration % run.cfg.run.log_every == 0 or last:
             run.logger.log(run.global_step, scalars)

@@ -17,6 +17,7 @@ import gymnasium as gym
 import mujoco
 import numpy as np
 import pytest
+from conftest import train_short
 from gymnasium.utils.env_checker import check_env
 
 from visppo import envs as envs_module
@@ -336,3 +337,28 @@ def test_quadruped_looks_through_camera_2_as_drq_v2(suite):
     env = gym.make("dmc/quadruped-walk-v0").unwrapped
     assert env.camera == 2 and env.action_space.shape == (12,)
     env.close()
+
+
+# ------------------------------------------- short training runs (pytest -m slow)
+# The random policy's return per task, fast look, 10 episodes (`python tools/baselines.py
+# configs/dmc_<task>.yaml env.kwargs.look=fast`). A zero action earns 756 on cartpole-balance (the
+# unpushed pole swings all the way round and lingers near the top), 22 on walker-walk, about 0 on the others.
+RANDOM_RETURN = {
+    "cartpole_balance": 346, "cartpole_swingup": 46, "reacher_easy": 32,
+    "finger_spin": 0.8, "walker_walk": 37, "cheetah_run": 7.2,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("task, steps, above", [
+    ("cartpole_swingup", 51_200, 30), ("reacher_easy", 51_200, 30), ("cheetah_run", 51_200, 5),
+])
+def test_dmc_training_rises_above_random(suite, task, steps, above, tmp_path):
+    """``configs/dmc_<task>.yaml`` on the fast look, seed 1: the training return (mean of the last
+    100 episodes) ends at least ``above`` over the random policy's. Margins sit below what the
+    shipped configs reached at that budget (README). cartpole-balance has no such test: with its
+    shipped config the training return stays below the random policy's (README, a flat critic);
+    finger-spin's (it needs ~100k steps) and walker-walk's are owed."""
+    returns = train_short(f"dmc_{task}.yaml", steps, tmp_path, ("env.kwargs.look=fast",))
+    assert returns[-1] > RANDOM_RETURN[task] + above, returns[-5:]

@@ -44,13 +44,7 @@ from visppo.envs import check_env_id, make_vector_env
 from visppo.evaluate import run_episodes
 from visppo.metrics import Logger, PhaseTimer, iteration_profiler
 from visppo.policy import ActorCritic
-from visppo.ppo import (
-    MemorySizes,
-    UpdateResult,
-    UpdateSetup,
-    compute_values,
-    update,
-)
+from visppo.ppo import MemorySizes, UpdateResult, UpdateSetup, compute_values, update
 from visppo.precision import RunPrecision, for_run
 from visppo.probe import probe
 from visppo.rollout import ActingCopy, RolloutState, collect
@@ -123,9 +117,9 @@ class Run:
     recent: list[dict] = field(default_factory=list)
     """The last 100 finished episodes (all ranks'), for the logged means."""
     bad_in_a_row: int = 0
+    """Optimizer steps skipped in a row for a non-finite loss or gradient."""
     flat_critic: int = 0
     """Iterations in a row whose critic explained none of the returns (see warn_if_flat_critic)."""
-    """Optimizer steps skipped in a row for a non-finite loss or gradient."""
     signals: SignalRequest | None = None
     """The SIGINT / SIGTERM received during the run (asks for a final checkpoint)."""
     reward_scale: ReturnScale | None = None

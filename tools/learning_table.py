@@ -259,16 +259,19 @@ def _band(ax, runs: list[list[dict[str, float]]], column: str, name: str) -> Non
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="train configs x seeds")
-    r.add_argument("configs", nargs="+", type=Path)
-    r.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
-    r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--parallel", type=int, default=2)
+    r = sub.add_parser("run", help="train configs x seeds",
+                       description="Train every config with every seed; key=value overrides apply to all runs.")
+    r.add_argument("configs", nargs="+", type=Path, help="config files, then any key=value overrides")
+    r.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="train.seed values (default: 1 2 3)")
+    r.add_argument("--out", type=Path, required=True, help="folder for the runs: OUT/<config>/seed<S>")
+    r.add_argument("--parallel", type=int, default=2,
+                   help="runs at once, each with train.threads=1 (default 2: one per core on this machine)")
     t = sub.add_parser("table", help="tabulate a run folder")
     t.add_argument("out", type=Path, nargs="+", help="run folders; several: one per variant of an ablation")
-    t.add_argument("--at", nargs="+", default=["100k", "250k", "500k"])
-    t.add_argument("--markdown", type=Path)
-    t.add_argument("--plot", type=Path)
+    t.add_argument("--at", nargs="+", default=["100k", "250k", "500k"],
+                   help="step counts for the rows: each column's last value logged by then, within 2%% (default 100k 250k 500k)")
+    t.add_argument("--markdown", type=Path, help="also write the table to this file")
+    t.add_argument("--plot", type=Path, help="draw the curves (mean +- std over seeds) to this image")
     t.add_argument("--column", default="episode_return",
                    help="metrics.csv column to plot, e.g. eval/success (default: episode_return)")
     t.add_argument("--per-seed", action="store_true", help="add each seed's return after the mean, in seed order")

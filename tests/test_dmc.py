@@ -353,12 +353,12 @@ RANDOM_RETURN = {
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("task, steps, above", [
     ("cartpole_swingup", 51_200, 30), ("reacher_easy", 51_200, 30), ("cheetah_run", 51_200, 5),
-    ("finger_spin", 102_400, 30), ("walker_walk", 61_440, 10),
+    ("finger_spin", 102_400, 30), ("walker_walk", 61_440, 10), ("cartpole_balance", 256_000, 50),
 ])
 def test_dmc_training_rises_above_random(suite, task, steps, above, tmp_path):
     """``configs/dmc_<task>.yaml`` on the fast look, seed 1: the training return (mean of the last
     100 episodes) ends at least ``above`` over the random policy's. Margins sit below what the
-    shipped configs reached at that budget (README). cartpole-balance has no such test: with its
-    shipped config the training return stays below the random policy's (README, a flat critic)."""
+    shipped configs reached at that budget (README). cartpole-balance needs the longest: its
+    training return passes the random policy's only from about 60k steps (README)."""
     returns = train_short(f"dmc_{task}.yaml", steps, tmp_path, ("env.kwargs.look=fast",))
     assert returns[-1] > RANDOM_RETURN[task] + above, returns[-5:]

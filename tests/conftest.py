@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  before any test makes a GL context (see envs.preload_before_gl)
-import visppo_envs  # noqa: F401  selects EGL before a test module's own `import mujoco` (one file run alone)
 
+import visppo_envs  # noqa: F401  selects EGL before a test module's own `import mujoco` (one file run alone)
 from visppo.config import load_config
 
 torch.set_num_threads(2)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
 from conftest import tiny_overrides
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
@@ -253,7 +256,6 @@ class _CountingEnv:
 
     def __init__(self):
         import gymnasium as gym
-        import numpy as np
 
         self.action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
         self.seeds, self.t = [], 0
@@ -293,3 +295,43 @@ def test_baselines_runs_the_configs_env_and_refuses_bad_input(tmp_path):
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and proc.stderr.startswith("error:") and needle in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_feature_probe_reads_linear_positions_and_not_noise():
+    probe = _tool("feature_probe").ridge_probe
+    rng = np.random.default_rng(0)
+    groups = np.repeat(np.arange(40), 10)
+    feats = rng.normal(size=(400, 16))
+    linear = feats[:, :2] @ np.array([[0.3, -0.1], [0.2, 0.4]]) + 0.05
+    noise = rng.normal(size=(400, 2))
+    r2, rmse = probe(feats, np.c_[linear, noise], groups, lam=1.0)
+    assert (r2[:2] > 0.99).all() and (rmse[:2] < 0.01).all(), r2
+    assert (r2[2:] < 0.1).all(), r2  # unrelated to the features: no better than the mean
+    # held out by group: a value constant within a group and unrelated to the features is not learnt
+    per_group = rng.normal(size=40)[groups]
+    assert probe(feats, per_group[:, None], groups, lam=1.0)[0][0] < 0.1
+    # a unit dead on the training episodes (a ReLU never on) and alive on the held-out ones is
+    # left out, not standardised into huge values
+    dead = feats.copy()
+    dead[:, 5] = np.where(groups >= 30, 5.0, 1e-6 * rng.normal(size=400))
+    assert (probe(dead, linear, groups, lam=1.0)[0] > 0.99).all()
+    with pytest.raises(ValueError, match="two groups"):
+        probe(feats, linear, np.zeros(400, int))
+
+
+def test_feature_probe_runs_on_a_checkpoint_and_refuses_unknown_geoms(tmp_path):
+    from visppo.config import load_config
+    from visppo.train import train
+
+    run = train(load_config(None, tiny_overrides(tmp_path, **{"env.id": "visppo/Reach-v0"})))
+    cmd = [sys.executable, str(TOOLS / "feature_probe.py"), str(run), "--episodes", "8", "--steps", "6"]
+    proc = subprocess.run([*cmd, "--geoms", "target", "fingertip"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if "R^2" in line]
+    assert [r[0] for r in rows] == ["target.x", "target.y", "fingertip.x", "fingertip.y",
+                                    "target-fingertip.x", "target-fingertip.y"], proc.stdout
+    assert all(math.isfinite(float(r[2])) and float(r[2]) <= 1.0 for r in rows)
+    for args, needle in ((["--geoms", "nosuch"], "no geom nosuch"), (["--geoms", "target", "ppo.lr=1"], "ppo.lr=1")):
+        bad = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and bad.stderr.startswith("error:") and needle in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -98,3 +98,17 @@ def test_a_removed_key_is_refused_with_what_happened_to_it(tmp_path):
         load_config(path)
     # a config saved before the removal holds every key: its default value is dropped quietly
     assert build_config({"rollout": {"overlap": False, "device": "cpu"}}).rollout.device == "cpu"
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["model.recon_size=21"], "ppo.recon_coef"),
+    (["ppo.recon_coef=1.0"], "model.recon_size"),
+    (["model.recon_size=-1", "ppo.recon_coef=1.0"], "model.recon_size"),
+    (["model.recon_size=200", "ppo.recon_coef=1.0"], "model.recon_size"),
+    (["model.recon_size=21", "ppo.recon_coef=-1"], "ppo.recon_coef"),
+    (["model.recon_size=21", "ppo.recon_coef=1", "model.augment=shift", "ppo.drac_coef=0.1"], "ppo.drac_coef"),
+])
+def test_reconstruction_config_is_checked(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, overrides)
+    assert load_config(None, ["model.recon_size=21", "ppo.recon_coef=1.0"]).model.recon_size == 21

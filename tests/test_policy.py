@@ -97,3 +97,35 @@ def test_norm_value_maps_the_heads_normalised_output_back_to_return_units():
     assert float(normed.value_scale()) == 1.0
     assert {"value_count", "value_mean", "value_var"} <= normed.state_dict().keys()
     assert "value_mean" not in plain.state_dict()  # older checkpoints load as before
+
+
+def test_reconstruction_error_is_the_decoders_squared_error_on_the_pooled_frames():
+    torch.manual_seed(0)
+    pol = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(recon_size=8))
+    obs, action = _obs(), torch.randn(6, 2)
+    lp, ent, v, err = pol.score_actions_recon(obs, action)
+    ref = pol.score_actions(obs, action)
+    for got, want in zip((lp, ent, v), ref):  # the RL outputs are score_actions' own
+        torch.testing.assert_close(got, want)
+    # by hand: 8x8 blocks of the 64x64 frames, averaged, in [0, 1]
+    blocks = obs["pixels"].float().div(255).view(6, 3, 8, 8, 8, 8).mean((3, 5))
+    pred = pol.decoder(pol.encoder(obs)).view(6, 3, 8, 8)
+    torch.testing.assert_close(err, (pred - blocks).square().sum((1, 2, 3)))
+    assert ActorCritic(OBS, gym.spaces.Discrete(3), ModelConfig()).decoder is None
+
+
+def test_reconstruction_trains_the_encoder_even_with_a_detached_actor():
+    torch.manual_seed(0)
+    pol = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(recon_size=8, detach_actor=True))
+    obs = _obs(16)
+    *_, err = pol.score_actions_recon(obs, torch.randn(16, 2))
+    err.mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in pol.encoder.parameters())
+    assert pol.actor[0].weight.grad is None  # only the decoder's loss was taken
+    opt = torch.optim.Adam(pol.parameters(), 1e-3)
+    first = float(err.mean())
+    for _ in range(30):  # the loss's gradient is a descent direction: the frames become predictable
+        opt.zero_grad()
+        pol.score_actions_recon(obs, torch.randn(16, 2))[3].mean().backward()
+        opt.step()
+    assert float(pol.score_actions_recon(obs, torch.randn(16, 2))[3].mean()) < 0.5 * first

@@ -20,11 +20,11 @@ def _spaces(state=True, discrete=False):
     return gym.spaces.Dict(spaces), gym.spaces.Discrete(4) if discrete else gym.spaces.Box(-1, 1, (2,), np.float32)
 
 
-def _setup(state=True, discrete=False, T=6, N=4, seed=0, share=True, encoder="nature"):
+def _setup(state=True, discrete=False, T=6, N=4, seed=0, share=True, encoder="nature", recon_size=0):
     torch.manual_seed(seed)
     obs_space, act_space = _spaces(state, discrete)
-    policy = ActorCritic(obs_space, act_space, ModelConfig(feature_dim=32, hidden_dim=32,
-                                                          share_encoder=share, encoder=encoder))
+    policy = ActorCritic(obs_space, act_space, ModelConfig(feature_dim=32, hidden_dim=32, share_encoder=share,
+                                                          encoder=encoder, recon_size=recon_size))
     buf = RolloutBuffer(T, N, obs_space, act_space)
     g = torch.Generator().manual_seed(seed)
     buf.obs["pixels"].copy_(torch.randint(0, 256, buf.obs["pixels"].shape, generator=g, dtype=torch.uint8))
@@ -66,17 +66,20 @@ def _grads(policy, buf, mb, micro, cfg):
 
 
 @pytest.mark.parametrize("micro", [1, 4, 5, 7, 20])
-@pytest.mark.parametrize("discrete,share,encoder", [(False, True, "nature"), (True, False, "nature"),
-                                                    (False, True, "spatial_softmax")])
-def test_accumulated_gradient_equals_full_minibatch_gradient(micro, discrete, share, encoder):
-    policy, buf = _setup(discrete=discrete, share=share, encoder=encoder)
-    cfg = PPOConfig(clip_value=True, entropy_coef=0.01)
+@pytest.mark.parametrize("discrete,share,encoder,recon", [(False, True, "nature", 0), (True, False, "nature", 0),
+                                                          (False, True, "spatial_softmax", 0),
+                                                          (False, True, "nature", 8)])
+def test_accumulated_gradient_equals_full_minibatch_gradient(micro, discrete, share, encoder, recon):
+    policy, buf = _setup(discrete=discrete, share=share, encoder=encoder, recon_size=recon)
+    cfg = PPOConfig(clip_value=True, entropy_coef=0.01, recon_coef=0.5 if recon else 0.0)
     mb = torch.randperm(buf.size, generator=torch.Generator().manual_seed(1))[:20]
     full, full_stats = _grads(policy, buf, mb, 20, cfg)
     acc, acc_stats = _grads(policy, buf, mb, micro, cfg)
     assert full.keys() == acc.keys() and len(full) > 4
+    assert ("recon_loss" in full_stats) == bool(recon) and any(n.startswith("decoder") for n in full) == bool(recon)
+    atol = 1e-6 if recon else 1e-7  # the reconstruction error sums 192 pixels: larger gradients, same rtol
     for name in full:
-        torch.testing.assert_close(acc[name], full[name], rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(acc[name], full[name], rtol=1e-5, atol=atol, msg=name)
     for k in full_stats:  # minibatch statistics are over the whole minibatch, not per slice
         assert float(acc_stats[k]) == pytest.approx(float(full_stats[k]), rel=1e-5, abs=1e-7)
 

@@ -96,6 +96,8 @@ class ModelConfig:
     """none | shift: random shifts of the update's micro-batches (never when acting), for the DrAC terms (ppo.drac_coef)."""
     shift_pad: int = 4
     """Largest shift in pixels for augment=shift (pad and random crop, as DrQ)."""
+    recon_size: int = 0
+    """0: off. N: a decoder (an MLP) reconstructs the stacked frames, average-pooled to NxN, from the actor encoder's features, an auxiliary loss (ppo.recon_coef) that keeps in the features what the RL losses would discard (SAC-AE, Yarats et al. 2019): on DMC reacher-easy the encoder trained without it discards the arm (tools/feature_probe.py, README)."""
     feature_dim: int = 256
     """Width of the encoder's output features."""
     hidden_dim: int = 256
@@ -158,6 +160,8 @@ class PPOConfig:
     """Adam epsilon."""
     drac_coef: float = 0.0
     """DrAC weight of the policy-KL and value regularisers between original and augmented frames (needs model.augment); 0 is off."""
+    recon_coef: float = 0.0
+    """Weight of the reconstruction loss (each sample's squared error summed over its pooled frames, pixels in [0, 1]; needs model.recon_size); 0 is off."""
 
 
 @dataclass
@@ -593,6 +597,16 @@ def _validate_finetuning(cfg: Config) -> None:
                           "uses the original frames, augmented ones only enter the DrAC terms")
     if cfg.ppo.drac_coef and m.augment == "none":
         raise ConfigError("ppo.drac_coef > 0 needs an augmentation: set model.augment=shift")
+    if m.recon_size < 0 or m.recon_size > cfg.env.image_size:
+        raise ConfigError(f"model.recon_size must be 0 (off) or 1 .. env.image_size ({cfg.env.image_size}), "
+                          f"got {m.recon_size}")
+    if cfg.ppo.recon_coef < 0:
+        raise ConfigError(f"ppo.recon_coef must be >= 0, got {cfg.ppo.recon_coef}")
+    if bool(m.recon_size) != bool(cfg.ppo.recon_coef):
+        raise ConfigError("model.recon_size and ppo.recon_coef go together: set both (e.g. model.recon_size=32 "
+                          "ppo.recon_coef=1.0) or neither")
+    if m.recon_size and cfg.ppo.drac_coef:
+        raise ConfigError("model.recon_size and ppo.drac_coef cannot be combined yet: set one of them to 0")
     if m.detach_actor and not m.share_encoder:
         raise ConfigError("model.detach_actor needs model.share_encoder=true: with its own encoder detached, "
                           "the actor's encoder would never train")

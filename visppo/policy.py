@@ -3,7 +3,8 @@
 Three entry points and nothing else: ``act`` (sample at collection time),
 ``score_actions`` (log-prob, entropy and value of stored actions, for the loss) and
 ``value`` (for bootstrapping); ``score_actions_augmented`` is ``score_actions`` plus
-what the DrAC terms of the update need. Distributions are built in float32 even under
+what the DrAC terms of the update need, and ``score_actions_recon`` is ``score_actions`` plus
+each sample's reconstruction error (model.recon_size). Distributions are built in float32 even under
 autocast: log-probs feed a ratio ``exp(new - old)`` that low precision would
 distort. ``augment`` (a RandomShift, or None) is used by the update only.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributions import Categorical, Normal
 
@@ -65,6 +67,11 @@ class ActorCritic(nn.Module):
             self.register_buffer("value_count", torch.zeros((), dtype=torch.float64))
             self.register_buffer("value_mean", torch.zeros((), dtype=torch.float64))
             self.register_buffer("value_var", torch.ones((), dtype=torch.float64))
+        self.recon_shape = (pixel_shape[0], cfg.recon_size, cfg.recon_size)
+        self.decoder = None
+        if cfg.recon_size:  # an auxiliary head: the update only; never acts
+            self.decoder = nn.Sequential(nn.Linear(feat, cfg.hidden_dim), nn.ReLU(),
+                                         nn.Linear(cfg.hidden_dim, int(np.prod(self.recon_shape))))
         self.encoder_name = cfg.encoder
         self.augment = make_augmentation(cfg.augment, cfg.shift_pad)  # last: it draws its seed
 
@@ -147,6 +154,23 @@ class ActorCritic(nn.Module):
         dist, aug_dist = self._dist_of(out[:n]), self._dist_of(out[n:])
         entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
         return self._log_prob(dist, action), entropy, values[:n], dist, aug_dist, values[n:]
+
+    def score_actions_recon(self, obs: Obs, action: torch.Tensor):
+        """``score_actions`` plus each sample's reconstruction error: the decoder reads the actor
+        encoder's features (not detached, even with detach_actor) and predicts the stacked frames
+        average-pooled to model.recon_size, in [0, 1]; the error is the squared difference summed over
+        that pooled image, in float32 (a sum, not a mean: its gradient on the shared encoder must not
+        vanish beside the value loss's, which is in return units). Returns ``(logp, entropy, value,
+        recon_error)``."""
+        feats = self.encoder(obs)
+        critic_feats = feats if self.critic_encoder is None else self.critic_encoder(obs)
+        dist = self._dist(feats.detach() if self.detach_actor else feats)
+        entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
+        recon = self.decoder(feats).float().view(-1, *self.recon_shape)
+        with torch.autocast(recon.device.type, enabled=False):
+            target = F.adaptive_avg_pool2d(obs["pixels"].float() / 255.0, self.recon_shape[1:])
+            error = (recon - target).square().flatten(1).sum(1)
+        return self._log_prob(dist, action), entropy, self._value(critic_feats), error
 
     def value(self, obs: Obs) -> torch.Tensor:
         return self._value(self.encoder(obs) if self.critic_encoder is None else self.critic_encoder(obs))

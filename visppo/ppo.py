@@ -52,6 +52,7 @@ T = TypeVar("T")
 STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac")
 """Per-minibatch statistics of the PPO loss (means over the minibatch)."""
 DRAC_STATS = ("drac_policy", "drac_value")
+RECON_STATS = ("recon_loss",)
 
 # --------------------------------------------------------------------------- memory sizes, OOM back-off
 
@@ -247,6 +248,8 @@ class UpdateResult:
     grad_norm: float = math.nan
     drac_policy: float = math.nan
     drac_value: float = math.nan
+    recon_loss: float = math.nan
+    """Mean reconstruction error (model.recon_size; NaN when off)."""
     stop_kl: float = math.nan
     """The approx-KL of the minibatch that stopped the update early (NaN: no early stop)."""
     optimizer_steps: int = 0
@@ -261,7 +264,7 @@ class UpdateResult:
 
     def losses(self) -> dict[str, float]:
         """The loss terms and minibatch statistics, for the metrics (``loss/<name>``)."""
-        return {name: getattr(self, name) for name in (*STATS, "grad_norm", *DRAC_STATS, "stop_kl")}
+        return {name: getattr(self, name) for name in (*STATS, "grad_norm", *DRAC_STATS, *RECON_STATS, "stop_kl")}
 
 
 def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Tensor,
@@ -278,12 +281,16 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     same forward pass) for the DrAC terms. The minibatch's augmentation draws are
     made before the split, so micro-batching does not change them, and committed
     at the end, so a retry after an OOM draws the same ones.
+
+    With ``ppo.recon_coef`` and a decoder (model.recon_size), each sample's loss
+    also has ``recon_coef`` times its reconstruction error.
     """
     from visppo.augment import drac_loss
 
     cfg, precision, n = setup.ppo, setup.precision, len(mb)
     value_scale = policy.value_scale()
     augment = policy.augment if cfg.drac_coef else None
+    recon = bool(cfg.recon_coef) and policy.decoder is not None
     if augment is not None:
         draws, rng_after = augment.draw_ahead(n)
     sums: dict[str, torch.Tensor] = {}
@@ -292,7 +299,9 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
         batch = buffer.gather(micro, setup.device)
         obs, actions, stop = obs_of(batch), batch["actions"], offset + len(micro)
         with precision.autocast():
-            if augment is None:
+            if recon:
+                new_logp, entropy, new_values, recon_error = policy.score_actions_recon(obs, actions)
+            elif augment is None:
                 new_logp, entropy, new_values = policy.score_actions(obs, actions)
             else:
                 aug_obs = augment.augment_obs(obs, draws[offset:stop])
@@ -305,6 +314,9 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
             reg, reg_stats = drac_loss(dist, new_values / value_scale, aug_dist, aug_values / value_scale)
             loss = loss + cfg.drac_coef * reg
             stats.update(reg_stats)
+        if recon:
+            loss = loss + cfg.recon_coef * recon_error
+            stats["recon_loss"] = recon_error.detach()
         loss = loss.sum() / n  # the minibatch mean, split over micro-batches
         (precision.scaler.scale(loss) if precision.scaler else loss).backward()
         for k, v in stats.items():
@@ -321,7 +333,8 @@ def reduced_minibatch_gradient(policy: ActorCritic, optimizer: torch.optim.Optim
     """The minibatch's gradient in ``.grad`` and its statistics, averaged over the ranks when
     ``setup.across_ranks``; backs off on out-of-memory (on every rank at once)."""
     params = [p for p in policy.parameters() if p.requires_grad]
-    names = STATS + (DRAC_STATS if setup.ppo.drac_coef and policy.augment is not None else ())
+    names = (STATS + (DRAC_STATS if setup.ppo.drac_coef and policy.augment is not None else ())
+             + (RECON_STATS if setup.ppo.recon_coef and policy.decoder is not None else ()))
 
     def attempt() -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)

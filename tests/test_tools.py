@@ -246,6 +246,24 @@ def test_grad_share_measures_a_run_whose_log_std_is_scheduled_not_learned(tmp_pa
     assert "| actor head |" in proc.stdout and torch.isfinite(policy.log_std).all()
 
 
+def test_grad_share_measures_the_reconstruction_term_where_it_flows(tmp_path):
+    """With model.recon_size, a tiny run trains and reloads, and the reconstruction term's gradient
+    reaches the encoder and the decoder, never the actor's or critic's head; the RL terms never
+    reach the decoder."""
+    from visppo.config import load_config
+    from visppo.train import train
+
+    run = train(load_config(None, tiny_overrides(tmp_path, **{"model.recon_size": 8, "ppo.recon_coef": 1.0})))
+    got = _measure(_tool("grad_share"), run)
+    assert got["encoder/recon"] > 0 and got["decoder/recon"] > 0
+    assert got["actor head/recon"] == 0 and got["critic head/recon"] == 0
+    assert got["decoder/policy"] == 0 and got["decoder/value"] == 0
+    proc = subprocess.run([sys.executable, str(TOOLS / "grad_share.py"), str(run), "--minibatches", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "reconstruction term" in proc.stdout and "| decoder |" in proc.stdout
+
+
 def _baselines():
     return _tool("baselines")
 

@@ -12,6 +12,8 @@ few minibatches takes the gradient of the clipped-surrogate term alone and of th
 median norm of each over the parameter groups (the actor's encoder, the critic's encoder when
 it has its own, the actor head with the log-std, the critic head), the cosine between the two
 on each encoder, and the median clip factor ``min(1, max_grad_norm / |total gradient|)``.
+With an auxiliary reconstruction loss (``model.recon_size``, ``ppo.recon_coef``) its term's
+gradient is a third column (and part of the total); the decoder is its own group.
 
 It reads the training code's own pieces (``ppo_loss``, ``normalize_advantages``,
 ``compute_gae``, ``collect``) in fp32 on the CPU, and changes nothing on disk.
@@ -38,6 +40,7 @@ def parameter_groups(policy) -> dict[str, list[torch.nn.Parameter]]:
         "encoder (critic's)": list(policy.critic_encoder.parameters()) if own_critic else [],
         "actor head": list(policy.actor.parameters()) + ([policy.log_std] if hasattr(policy, "log_std") else []),
         "critic head": list(policy.critic.parameters()),
+        "decoder": list(policy.decoder.parameters()) if policy.decoder is not None else [],
     }
     trained = {name: [q for q in qs if q.requires_grad] for name, qs in groups.items()}
     return {name: qs for name, qs in trained.items() if qs}
@@ -92,16 +95,23 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
     for mb in minibatch_indices(buffer.size, p.minibatch_size, generator)[:minibatches]:
         batch = buffer.gather(mb, torch.device("cpu"))
         adv = normalize_advantages(advantages[mb]) if p.norm_adv else advantages[mb]
-        logp, entropy, values = policy.score_actions(obs_of(batch), batch["actions"])
+        recon = policy.decoder is not None and p.recon_coef > 0
+        if recon:
+            logp, entropy, values, recon_error = policy.score_actions_recon(obs_of(batch), batch["actions"])
+        else:
+            logp, entropy, values = policy.score_actions(obs_of(batch), batch["actions"])
         args = (logp, batch["logp"], adv, values, batch["values"], batch["returns"], entropy, p.clip_coef, p.clip_value)
         full, _ = ppo_loss(*args, p.value_coef, p.entropy_coef, policy.value_scale())
         surrogate, _ = ppo_loss(*args, 0.0, 0.0, policy.value_scale())
         g_full = flat_grad(full.mean(), params)
         g_pg = flat_grad(surrogate.mean(), params)
         g_rest = g_full - g_pg
-        row = {"total": float(g_full.norm())}
-        for (name, _), a, b in zip(groups.items(), g_pg.split(sizes), g_rest.split(sizes)):
+        g_recon = flat_grad(p.recon_coef * recon_error.mean(), params) if recon else None
+        row = {"total": float((g_full + g_recon).norm() if recon else g_full.norm())}
+        for i, ((name, _), a, b) in enumerate(zip(groups.items(), g_pg.split(sizes), g_rest.split(sizes))):
             row[f"{name}/policy"], row[f"{name}/value"] = float(a.norm()), float(b.norm())
+            if recon:
+                row[f"{name}/recon"] = float(g_recon.split(sizes)[i].norm())
             if name.startswith("encoder"):
                 denom = float(a.norm() * b.norm())
                 row[f"{name}/cosine"] = float(a @ b) / denom if denom > 0 else math.nan  # nan: one term is 0 there
@@ -112,12 +122,17 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
 
 def report(medians: dict, value_label: str) -> str:
     names = list(dict.fromkeys(k.split("/")[0] for k in medians if "/" in k))
-    lines = [f"| group | policy term | {value_label} | value / policy | cosine |", "| --- | --- | --- | --- | --- |"]
+    recon = any(k.endswith("/recon") for k in medians)
+    extra = (" reconstruction term |", " --- |") if recon else ("", "")
+    lines = [f"| group | policy term | {value_label} | value / policy | cosine |{extra[0]}",
+             f"| --- | --- | --- | --- | --- |{extra[1]}"]
     for n in names:
         pol, val = medians[f"{n}/policy"], medians[f"{n}/value"]
         ratio = f"{val / pol:.3g}" if pol > 0 else "inf" if val > 0 else ""
         cos = medians.get(f"{n}/cosine")
-        lines.append(f"| {n} | {pol:.3g} | {val:.3g} | {ratio} | {'' if cos is None or math.isnan(cos) else f'{cos:.2f}'} |")
+        rec = f" {medians[f'{n}/recon']:.3g} |" if recon else ""
+        lines.append(f"| {n} | {pol:.3g} | {val:.3g} | {ratio} | "
+                     f"{'' if cos is None or math.isnan(cos) else f'{cos:.2f}'} |{rec}")
     lines.append(f"\nmedian total gradient norm {medians['total']:.3g}, "
                  f"clip factor {medians['clip factor']:.3g} (ppo.max_grad_norm over the norm, at most 1)")
     return "\n".join(lines)

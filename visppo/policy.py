@@ -162,14 +162,15 @@ class ActorCritic(nn.Module):
         that pooled image, in float32 (a sum, not a mean: its gradient on the shared encoder must not
         vanish beside the value loss's, which is in return units). Returns ``(logp, entropy, value,
         recon_error)``."""
+        with torch.no_grad():  # first: the frames' float copy is freed before the encoder's activations exist
+            target = F.adaptive_avg_pool2d(obs["pixels"].float(), self.recon_shape[1:]).div_(255.0)
         feats = self.encoder(obs)
         critic_feats = feats if self.critic_encoder is None else self.critic_encoder(obs)
         dist = self._dist(feats.detach() if self.detach_actor else feats)
         entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
         recon = self.decoder(feats).float().view(-1, *self.recon_shape)
         with torch.autocast(recon.device.type, enabled=False):
-            target = F.adaptive_avg_pool2d(obs["pixels"].float() / 255.0, self.recon_shape[1:])
-            error = (recon - target).square().flatten(1).sum(1)
+            error = (recon - target.float()).square().flatten(1).sum(1)
         return self._log_prob(dist, action), entropy, self._value(critic_feats), error
 
     def value(self, obs: Obs) -> torch.Tensor:

@@ -106,12 +106,12 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
         g_full = flat_grad(full.mean(), params)
         g_pg = flat_grad(surrogate.mean(), params)
         g_rest = g_full - g_pg
-        g_recon = flat_grad(p.recon_coef * recon_error.mean(), params) if recon else None
-        row = {"total": float((g_full + g_recon).norm() if recon else g_full.norm())}
-        for i, ((name, _), a, b) in enumerate(zip(groups.items(), g_pg.split(sizes), g_rest.split(sizes))):
+        g_recon = flat_grad(p.recon_coef * recon_error.mean(), params) if recon else torch.zeros_like(g_full)
+        row = {"total": float((g_full + g_recon).norm())}
+        for (name, _), a, b, c in zip(groups.items(), g_pg.split(sizes), g_rest.split(sizes), g_recon.split(sizes)):
             row[f"{name}/policy"], row[f"{name}/value"] = float(a.norm()), float(b.norm())
             if recon:
-                row[f"{name}/recon"] = float(g_recon.split(sizes)[i].norm())
+                row[f"{name}/recon"] = float(c.norm())
             if name.startswith("encoder"):
                 denom = float(a.norm() * b.norm())
                 row[f"{name}/cosine"] = float(a @ b) / denom if denom > 0 else math.nan  # nan: one term is 0 there

@@ -89,12 +89,13 @@ class ActorCritic(nn.Module):
         """Load ``model.encoder_weights`` (none | imagenet | PATH) into the encoders; ConfigError if it does not fit."""
         load_encoder_weights(self.encoders(), spec, self.encoder_name)
 
-    def _features(self, obs: Obs) -> tuple[torch.Tensor, torch.Tensor]:
-        actor_feats = self.encoder(obs)
-        critic_feats = actor_feats if self.critic_encoder is None else self.critic_encoder(obs)
-        if self.detach_actor:  # the same numbers; the policy loss's gradient stops at the actor head
-            actor_feats = actor_feats.detach()
-        return actor_feats, critic_feats
+    def _features(self, obs: Obs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(actor's, critic's, the actor encoder's own) features: the first is the last detached
+        with detach_actor, the last is what an auxiliary head (the decoder) trains the encoder by."""
+        feats = self.encoder(obs)
+        critic_feats = feats if self.critic_encoder is None else self.critic_encoder(obs)
+        # detached: the same numbers; the policy loss's gradient stops at the actor head
+        return (feats.detach() if self.detach_actor else feats), critic_feats, feats
 
     def _value(self, critic_feats: torch.Tensor) -> torch.Tensor:
         """The value in return units. The head's last layer runs in fp32: bf16 would round returns
@@ -126,7 +127,7 @@ class ActorCritic(nn.Module):
 
     def act(self, obs: Obs, deterministic: bool = False):
         """Sample actions (unclipped) with their log-probs and the values, for collection."""
-        actor_feats, critic_feats = self._features(obs)
+        actor_feats, critic_feats, _ = self._features(obs)
         dist = self._dist(actor_feats)
         if deterministic:
             action = dist.probs.argmax(-1) if self.discrete else dist.mean
@@ -136,7 +137,9 @@ class ActorCritic(nn.Module):
 
     def score_actions(self, obs: Obs, action: torch.Tensor):
         """Log-prob, entropy and value of given actions, with gradients, for the loss."""
-        actor_feats, critic_feats = self._features(obs)
+        return self._scored(*self._features(obs)[:2], action)
+
+    def _scored(self, actor_feats: torch.Tensor, critic_feats: torch.Tensor, action: torch.Tensor):
         dist = self._dist(actor_feats)
         entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
         return self._log_prob(dist, action), entropy, self._value(critic_feats)
@@ -149,7 +152,7 @@ class ActorCritic(nn.Module):
         Returns ``(logp, entropy, value, dist, aug_dist, aug_value)``.
         """
         n = action.shape[0]
-        actor_feats, critic_feats = self._features({k: torch.cat([obs[k], aug_obs[k]]) for k in obs})
+        actor_feats, critic_feats, _ = self._features({k: torch.cat([obs[k], aug_obs[k]]) for k in obs})
         out, values = self.actor(actor_feats).float(), self._value(critic_feats)
         dist, aug_dist = self._dist_of(out[:n]), self._dist_of(out[n:])
         entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
@@ -164,14 +167,11 @@ class ActorCritic(nn.Module):
         recon_error)``."""
         with torch.no_grad():  # first: the frames' float copy is freed before the encoder's activations exist
             target = F.adaptive_avg_pool2d(obs["pixels"].float(), self.recon_shape[1:]).div_(255.0)
-        feats = self.encoder(obs)
-        critic_feats = feats if self.critic_encoder is None else self.critic_encoder(obs)
-        dist = self._dist(feats.detach() if self.detach_actor else feats)
-        entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
+        actor_feats, critic_feats, feats = self._features(obs)
         recon = self.decoder(feats).float().view(-1, *self.recon_shape)
         with torch.autocast(recon.device.type, enabled=False):
-            error = (recon - target.float()).square().flatten(1).sum(1)
-        return self._log_prob(dist, action), entropy, self._value(critic_feats), error
+            error = (recon - target).square().flatten(1).sum(1)
+        return (*self._scored(actor_feats, critic_feats, action), error)
 
     def value(self, obs: Obs) -> torch.Tensor:
         return self._value(self.encoder(obs) if self.critic_encoder is None else self.critic_encoder(obs))

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from visppo import encoders
-from visppo.encoders import ImpalaCNN, NatureCNN, ObsEncoder
+from visppo.encoders import DrQCNN, ImpalaCNN, NatureCNN, ObsEncoder
 
 
 def test_uint8_frames_are_scaled_inside_forward():
@@ -20,8 +20,8 @@ def test_under_autocast_frames_go_straight_to_its_dtype_with_the_same_values():
     assert encoders._uint8_to_conv_input(every).dtype == torch.float32  # no autocast: fp32
 
 
-@pytest.mark.parametrize("make", [lambda: NatureCNN(9, 64, 16), lambda: ImpalaCNN(9, 64, 16)],
-                         ids=["nature", "impala"])
+@pytest.mark.parametrize("make", [lambda: NatureCNN(9, 64, 16), lambda: ImpalaCNN(9, 64, 16),
+                                  lambda: DrQCNN(9, 64, 16)], ids=["nature", "impala", "drq"])
 def test_bf16_encoders_give_the_same_features_and_gradients_as_with_an_fp32_copy(make, monkeypatch):
     torch.manual_seed(0)
     enc = make().to(memory_format=torch.channels_last)
@@ -164,6 +164,18 @@ def test_impala_residual_layout():
     enc = ImpalaCNN(3, 64, 32)
     assert len(enc.stages) == 3 and enc(_frames(2, 3, 64)).shape == (2, 32)
     assert isinstance(torchvision.models.get_model("resnet18", weights=None), torch.nn.Module)
+
+
+def test_drq_keeps_a_35x35_map_at_84_and_bounded_features():
+    """DrQ-v2's layout: one stride-2 conv then three stride-1 convs, 84 -> 41 -> 39 -> 37 -> 35."""
+    enc = DrQCNN(9, 84, 50)
+    x = torch.randint(0, 256, (2, 9, 84, 84), dtype=torch.uint8)
+    assert enc.convs[:-1](x.float() / 255).shape == (2, 32, 35, 35)
+    out = enc(x)
+    assert out.shape == (2, 50) and out.abs().max() <= 1.0  # tanh after LayerNorm
+    torch.testing.assert_close(out.mean(), torch.zeros(()), atol=0.2, rtol=0)  # LayerNorm centres
+    with pytest.raises(encoders.ConfigError, match="15 pixels"):
+        DrQCNN(9, 14, 50)
 
 
 # --------------------------------------------------------------------------- spatial softmax (issue 16)

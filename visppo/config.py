@@ -48,7 +48,7 @@ class Stopped(Exception):
 
 TORCHVISION_ENCODERS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
 """model.encoder names built by torchvision (visppo.encoders knows how to cut each family)."""
-ENCODERS = ("nature", "impala", "spatial_softmax", *TORCHVISION_ENCODERS)
+ENCODERS = ("nature", "impala", "drq", "spatial_softmax", *TORCHVISION_ENCODERS)
 AUGMENTATIONS = ("none", "shift")
 
 
@@ -81,7 +81,7 @@ class EnvConfig:
 @dataclass
 class ModelConfig:
     encoder: str = "spatial_softmax"
-    """Image encoder: spatial_softmax | nature | impala (CNNs from scratch; spatial_softmax outputs keypoint positions: on Reach 100% from 40k steps, the Nature CNN 87% at 100k; README) | resnet18 | resnet34 | resnet50 | mobilenet_v3_small | efficientnet_b0 (torchvision)."""
+    """Image encoder: spatial_softmax | nature | impala | drq (CNNs from scratch; drq keeps a 35x35 map at 84x84, DrQ-v2's encoder; spatial_softmax outputs keypoint positions: on Reach 100% from 40k steps, the Nature CNN 87% at 100k; README) | resnet18 | resnet34 | resnet50 | mobilenet_v3_small | efficientnet_b0 (torchvision)."""
     encoder_weights: str = "none"
     """none | imagenet (torchvision's file in $TORCH_HOME/hub/checkpoints, never downloaded) | PATH (torchvision state dict or visppo checkpoint)."""
     freeze_encoder_updates: int = 0
@@ -89,7 +89,7 @@ class ModelConfig:
     encoder_lr_scale: float = 1.0
     """The encoder trunk's learning rate is ppo.learning_rate times this (its own optimizer param group)."""
     encoder_checkpointing: bool = False
-    """Recompute the trunk's activations block by block in backward (less memory, about 1/3 more compute); not for nature or spatial_softmax."""
+    """Recompute the trunk's activations block by block in backward (less memory, about 1/3 more compute); not for nature, drq or spatial_softmax."""
     resize: int = 0
     """Resize frames to this side before a torchvision backbone (224 is ImageNet's); 0 keeps env.image_size."""
     augment: str = "none"
@@ -558,6 +558,8 @@ def _validate_choices(cfg: Config) -> None:
         raise ConfigError(f"memory.budget: {exc}") from None
     if cfg.env.image_size < 36 and cfg.model.encoder == "nature":
         raise ConfigError(f"env.image_size must be >= 36 for the nature encoder, got {cfg.env.image_size}")
+    if cfg.env.image_size < 15 and cfg.model.encoder == "drq":
+        raise ConfigError(f"env.image_size must be >= 15 for the drq encoder, got {cfg.env.image_size}")
     if cfg.env.image_size < 12 and cfg.model.encoder == "spatial_softmax":
         raise ConfigError(f"env.image_size must be >= 12 for the spatial_softmax encoder, got {cfg.env.image_size}")
 
@@ -579,7 +581,7 @@ def _validate_finetuning(cfg: Config) -> None:
     if m.resize and not torchvision:
         raise ConfigError(f"model.resize applies to torchvision backbones, not model.encoder={m.encoder}: "
                           "set env.image_size instead")
-    if m.encoder_checkpointing and m.encoder in ("nature", "spatial_softmax"):
+    if m.encoder_checkpointing and m.encoder in ("nature", "drq", "spatial_softmax"):
         raise ConfigError("model.encoder_checkpointing needs a backbone made of blocks (impala or a "
                           f"torchvision one), not {m.encoder}: set it to false")
     side = m.resize or cfg.env.image_size

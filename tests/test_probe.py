@@ -221,6 +221,21 @@ def test_cuda_context_is_measured_once_per_gpu_name_and_cached(tmp_path, monkeyp
     assert json.loads((tmp_path / "visppo" / "cuda_context.json").read_text()) == {"Fake GPU 8GB": 123 * 2**20}
 
 
+def test_an_implausible_cuda_context_is_not_cached(tmp_path, monkeypatch):
+    """A GPU shared with another process reads its memory as context: warn and measure again next time."""
+    import visppo.probe as probe_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Fake GPU 8GB")
+    busy = probe_mod.CUDA_CONTEXT_PLAUSIBLE_MAX + 1
+    with pytest.warns(UserWarning, match="another process"):
+        value, source = probe_mod.cuda_context_bytes(torch.device("cuda"), lambda d: busy)
+    assert value == busy and "not cached" in source
+    assert not (tmp_path / "visppo" / "cuda_context.json").exists()
+    assert probe_mod.cuda_context_bytes(torch.device("cuda"), lambda d: 700 * 2**20)[0] == 700 * 2**20
+
+
 def test_cublas_workspace_follows_the_environment(monkeypatch):
     from visppo.probe import CUBLAS_WORKSPACE, cublas_workspace_bytes
 

@@ -97,6 +97,11 @@ here; on a GPU, :func:`cuda_context_bytes` measures it once and caches it per de
 An assumption until a GPU run replaces it: PyTorch's CUDA notes and ``nvidia-smi`` after a
 first ``torch.zeros(1, device="cuda")`` show 300-500 MiB on recent drivers with lazy loading."""
 
+CUDA_CONTEXT_PLAUSIBLE_MAX = 2 * 2**30
+"""A measured context above this is not cached: the measurement reads the device-wide use, so
+another process on the GPU inflates it (seen on an H200 whose training runs were still exiting:
+the estimates then charged ~9 GiB of their memory to every row). Measured: 767 MiB on an H100."""
+
 CUBLAS_WORKSPACE = {"sm90+": 4096 * 1024 * 8, "older": 4096 * 1024 * 2 + 16 * 1024 * 8}
 """PyTorch's default cuBLAS workspace per (handle, stream) when ``CUBLAS_WORKSPACE_CONFIG`` is
 unset: ``:4096:8`` (32 MiB) on Hopper and later, ``:4096:2:16:8`` (8.1 MiB) before. It is
@@ -159,6 +164,11 @@ def cuda_context_bytes(device: torch.device, measure=measure_cuda_context) -> tu
     if name in cache:
         return int(cache[name]), f"measured earlier on {name} ({path})"
     value = int(measure(device))
+    if value > CUDA_CONTEXT_PLAUSIBLE_MAX:
+        warnings.warn(f"the CUDA context measured {value / 2**30:.1f} GiB, more than a context takes: "
+                      "another process is likely using this GPU; the figure is used for this probe only, "
+                      "not cached (rerun on an idle GPU)", stacklevel=2)
+        return value, f"measured now on {name}, not cached: another process likely holds GPU memory"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({**cache, name: value}, indent=1))

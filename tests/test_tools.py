@@ -353,3 +353,25 @@ def test_feature_probe_runs_on_a_checkpoint_and_refuses_unknown_geoms(tmp_path):
         bad = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
         assert bad.returncode == 2 and bad.stderr.startswith("error:") and needle in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_episode_trace_plays_episodes_and_reads_the_distance(tmp_path):
+    from visppo.config import load_config
+    from visppo.train import train
+
+    run = train(load_config(None, tiny_overrides(tmp_path, **{"env.id": "visppo/Reach-v0"})))
+    cmd = [sys.executable, str(TOOLS / "episode_trace.py"), str(run), "--episodes", "2"]
+    proc = subprocess.run([*cmd, "--geoms", "fingertip", "target"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("ep ")]
+    assert len(rows) == 2, proc.stdout
+    for r in rows:
+        start, low, last = (float(r[r.index(k) + 1]) for k in ("start", "min", "quarter"))
+        assert 0 <= low <= min(start, last) and math.isfinite(float(r[3])), r
+    # the two episodes are reset with seeds 5000 and 5001: different targets
+    assert rows[0][8:10] != rows[1][8:10], proc.stdout
+    for args, needle in ((["--geoms", "nosuch", "target"], "no geom nosuch"),
+                         (["--geoms", "fingertip", "target", "ppo.lr=1"], "ppo.lr=1")):
+        bad = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and bad.stderr.startswith("error:") and needle in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr

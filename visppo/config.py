@@ -111,7 +111,7 @@ class ModelConfig:
     init_log_std: float = -0.5
     """Initial log standard deviation of the Gaussian policy (Box actions)."""
     norm_value: bool = False
-    """The critic learns value targets centred and scaled by their running mean and std (value normalisation); its outputs are mapped back to return units, so GAE is unchanged. Without it, a task whose returns are large and alike (DMC cartpole-balance: ~150 in every state) saturates the critic's tanh layer and leaves a constant value (explained variance 0); with final_log_std=-2.3 it took cartpole-balance from 620 (one seed) to 704 +- 107 at 500k (three seeds: 760, 771, 581; README)."""
+    """The critic learns value targets centred and scaled by their running mean and std (value normalisation); its outputs are mapped back to return units, so GAE is unchanged. Without it, a task whose returns are large and alike (DMC cartpole-balance: ~150 in every state) saturates the critic's tanh layer and leaves a constant value (explained variance 0); with final_log_std=-2.3 it took cartpole-balance from 620 (one seed) to 704 +- 107 at 500k (three seeds: 760, 771, 581; README). Alone on reacher-easy (one seed, 500k): 194 vs 199, though the policy term then drives the encoder (README)."""
     final_log_std: float | None = None
     """If set, the log-std is not learned but moves linearly from init_log_std to this over ppo.total_steps (DrQ-v2's std schedule). Push at 1M, -1.6: deterministic success 78% vs 48% learned (3 seeds); it collapsed cartpole-swingup at 100k; -2.3 with norm_value: DMC cartpole-balance 704 +- 107 (3 seeds) vs 620 at 500k, reacher-easy (from std 1.0) 96 vs 199 (one seed; README)."""
 

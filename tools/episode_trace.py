@@ -30,8 +30,8 @@ import numpy as np
 def trace(source: str, geoms: list[str], episodes: int, seed: int, stochastic: bool,
           env_overrides: list[str]) -> list[dict]:
     """One dict per episode: return, steps, the second geom's radius and angle, distances, actions."""
-    import mujoco
     import torch
+    from feature_probe import geom_ids  # tools/ is on sys.path when a tool runs as a script
 
     from visppo.envs import make_env
     from visppo.evaluate import load_policy, resolve_checkpoint
@@ -40,13 +40,7 @@ def trace(source: str, geoms: list[str], episodes: int, seed: int, stochastic: b
     policy, cfg, _ = load_policy(resolve_checkpoint(source), env_overrides=env_overrides)
     env = make_env(cfg)
     base = env.unwrapped
-    if not hasattr(base, "model") or not hasattr(base, "data"):
-        raise ValueError(f"{cfg.env.id} exposes no MuJoCo model/data: the trace reads geom positions from them")
-    ids = [mujoco.mj_name2id(base.model, mujoco.mjtObj.mjOBJ_GEOM, g) for g in geoms]
-    missing = [g for g, i in zip(geoms, ids) if i < 0]
-    if missing:
-        names = [mujoco.mj_id2name(base.model, mujoco.mjtObj.mjOBJ_GEOM, i) for i in range(base.model.ngeom)]
-        raise ValueError(f"no geom {', '.join(missing)} in {cfg.env.id}; its geoms: {', '.join(n for n in names if n)}")
+    ids = geom_ids(base, geoms, cfg.env.id)
     low, high = env.action_space.low, env.action_space.high
     rows = []
     try:

@@ -55,10 +55,24 @@ def ridge_probe(features: np.ndarray, targets: np.ndarray, groups: np.ndarray, l
     return r2, np.sqrt((err ** 2).mean(0))
 
 
+def geom_ids(base, geoms: list[str], env_id: str) -> list[int]:
+    """MuJoCo ids of the named geoms of an env (its unwrapped ``model``/``data``); ValueError
+    naming the env's geoms when one is missing."""
+    import mujoco
+
+    if not hasattr(base, "model") or not hasattr(base, "data"):
+        raise ValueError(f"{env_id} exposes no MuJoCo model/data: geom positions are read from them")
+    ids = [mujoco.mj_name2id(base.model, mujoco.mjtObj.mjOBJ_GEOM, g) for g in geoms]
+    missing = [g for g, i in zip(geoms, ids) if i < 0]
+    if missing:
+        names = [mujoco.mj_id2name(base.model, mujoco.mjtObj.mjOBJ_GEOM, i) for i in range(base.model.ngeom)]
+        raise ValueError(f"no geom {', '.join(missing)} in {env_id}; its geoms: {', '.join(n for n in names if n)}")
+    return ids
+
+
 def collect(source: str, geoms: list[str], episodes: int, steps: int, random_init: bool,
             env_overrides: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Features, geom x-y positions (one column pair per geom) and episode index per record."""
-    import mujoco
     import torch
 
     from visppo.envs import make_env
@@ -74,13 +88,7 @@ def collect(source: str, geoms: list[str], episodes: int, steps: int, random_ini
     policy.eval()
     env = make_env(cfg)
     base = env.unwrapped
-    if not hasattr(base, "model") or not hasattr(base, "data"):
-        raise ValueError(f"{cfg.env.id} exposes no MuJoCo model/data: the probe reads geom positions from them")
-    ids = [mujoco.mj_name2id(base.model, mujoco.mjtObj.mjOBJ_GEOM, g) for g in geoms]
-    missing = [g for g, i in zip(geoms, ids) if i < 0]
-    if missing:
-        names = [mujoco.mj_id2name(base.model, mujoco.mjtObj.mjOBJ_GEOM, i) for i in range(base.model.ngeom)]
-        raise ValueError(f"no geom {', '.join(missing)} in {cfg.env.id}; its geoms: {', '.join(n for n in names if n)}")
+    ids = geom_ids(base, geoms, cfg.env.id)
     rng = np.random.default_rng(0)
     feats, pos, group = [], [], []
     try:

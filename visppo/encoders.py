@@ -100,7 +100,23 @@ class PixelEncoder(nn.Module, ABC):
         return torch.no_grad() if self.frozen and torch.is_grad_enabled() else nullcontext()
 
 
-class NatureCNN(PixelEncoder):
+class _ConvProjection(PixelEncoder):
+    """A conv stack ``convs`` (the trunk, ending in Flatten) followed by a projection ``proj``."""
+
+    convs: nn.Sequential
+    proj: nn.Module
+
+    def trunk(self) -> nn.Module:
+        return self.convs
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        pixels = _channels_last_like(pixels, self.convs[0].weight)
+        with self._no_grad_if_frozen():
+            x = self.convs(_uint8_to_conv_input(pixels))
+        return self.proj(x)
+
+
+class NatureCNN(_ConvProjection):
     """The Nature-DQN convolutional stack (Mnih et al. 2015) with a linear projection."""
 
     def __init__(self, in_channels: int, image_size: int, feature_dim: int):
@@ -115,15 +131,6 @@ class NatureCNN(PixelEncoder):
             flat = self.convs(torch.zeros(1, in_channels, image_size, image_size)).shape[1]
         self.proj = nn.Sequential(nn.Linear(flat, feature_dim), nn.ReLU())
         self.out_dim = feature_dim
-
-    def trunk(self) -> nn.Module:
-        return self.convs
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        pixels = _channels_last_like(pixels, self.convs[0].weight)
-        with self._no_grad_if_frozen():
-            x = self.convs(_uint8_to_conv_input(pixels))
-        return self.proj(x)
 
 
 class SpatialSoftmaxCNN(PixelEncoder):
@@ -176,7 +183,7 @@ class SpatialSoftmaxCNN(PixelEncoder):
         return self.proj(self.keypoint_xy(maps).to(maps.dtype))
 
 
-class DrQCNN(PixelEncoder):
+class DrQCNN(_ConvProjection):
     """DrQ-v2's encoder: 3x3 convs (stride 2, then 1, 1, 1; 32 channels), Linear -> LayerNorm -> tanh.
 
     Yarats et al. 2021, the pixel encoder of the off-policy ceiling in the DMC tables. Only the first
@@ -201,15 +208,6 @@ class DrQCNN(PixelEncoder):
         self.proj = nn.Sequential(nn.Linear(32 * side * side, feature_dim), nn.LayerNorm(feature_dim),
                                   nn.Tanh())
         self.out_dim = feature_dim
-
-    def trunk(self) -> nn.Module:
-        return self.convs
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        pixels = _channels_last_like(pixels, self.convs[0].weight)
-        with self._no_grad_if_frozen():
-            x = self.convs(_uint8_to_conv_input(pixels))
-        return self.proj(x)
 
 
 class _ResidualBlock(nn.Module):

@@ -107,8 +107,14 @@ def test_a_removed_key_is_refused_with_what_happened_to_it(tmp_path):
     (["model.recon_size=200", "ppo.recon_coef=1.0"], "model.recon_size"),
     (["model.recon_size=21", "ppo.recon_coef=-1"], "ppo.recon_coef"),
     (["model.recon_size=21", "ppo.recon_coef=1", "model.augment=shift", "ppo.drac_coef=0.1"], "ppo.drac_coef"),
+    (["model.invdyn=true"], "ppo.invdyn_coef"),
+    (["ppo.invdyn_coef=1.0"], "model.invdyn"),
+    (["model.invdyn=true", "ppo.invdyn_coef=-1"], "ppo.invdyn_coef"),
+    (["model.invdyn=true", "ppo.invdyn_coef=1", "model.augment=shift", "ppo.drac_coef=0.1"], "ppo.drac_coef"),
+    (["model.invdyn=true", "ppo.invdyn_coef=1", "env.frame_stack=1"], "env.frame_stack"),
 ])
-def test_reconstruction_config_is_checked(overrides, key):
+def test_auxiliary_loss_config_is_checked(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, overrides)
     assert load_config(None, ["model.recon_size=21", "ppo.recon_coef=1.0"]).model.recon_size == 21
+    assert load_config(None, ["model.invdyn=true", "ppo.invdyn_coef=1", "env.frame_stack=3"]).model.invdyn

@@ -103,7 +103,9 @@ def test_reconstruction_error_is_the_decoders_squared_error_on_the_pooled_frames
     torch.manual_seed(0)
     pol = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(recon_size=8))
     obs, action = _obs(), torch.randn(6, 2)
-    lp, ent, v, err = pol.score_actions_recon(obs, action)
+    lp, ent, v, errors = pol.score_actions_aux(obs, action)
+    assert errors.keys() == {"recon_loss"}
+    err = errors["recon_loss"]
     ref = pol.score_actions(obs, action)
     for got, want in zip((lp, ent, v), ref):  # the RL outputs are score_actions' own
         torch.testing.assert_close(got, want)
@@ -118,7 +120,7 @@ def test_reconstruction_trains_the_encoder_even_with_a_detached_actor():
     torch.manual_seed(0)
     pol = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(recon_size=8, detach_actor=True))
     obs = _obs(16)
-    *_, err = pol.score_actions_recon(obs, torch.randn(16, 2))
+    err = pol.score_actions_aux(obs, torch.randn(16, 2))[3]["recon_loss"]
     err.mean().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in pol.encoder.parameters())
     assert pol.actor[0].weight.grad is None  # only the decoder's loss was taken
@@ -126,6 +128,35 @@ def test_reconstruction_trains_the_encoder_even_with_a_detached_actor():
     first = float(err.mean())
     for _ in range(30):  # the loss's gradient is a descent direction: the frames become predictable
         opt.zero_grad()
-        pol.score_actions_recon(obs, torch.randn(16, 2))[3].mean().backward()
+        pol.score_actions_aux(obs, torch.randn(16, 2))[3]["recon_loss"].mean().backward()
         opt.step()
-    assert float(pol.score_actions_recon(obs, torch.randn(16, 2))[3].mean()) < 0.5 * first
+    assert float(pol.score_actions_aux(obs, torch.randn(16, 2))[3]["recon_loss"].mean()) < 0.5 * first
+
+
+def test_inverse_dynamics_error_is_the_heads_squared_error_on_the_previous_action():
+    torch.manual_seed(0)
+    pol = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(invdyn=True))
+    obs, action, prev = _obs(), torch.randn(6, 2), torch.rand(6, 2) * 2 - 1
+    lp, ent, v, errors = pol.score_actions_aux(obs, action, prev)
+    for got, want in zip((lp, ent, v), pol.score_actions(obs, action)):  # the RL outputs are score_actions' own
+        torch.testing.assert_close(got, want)
+    assert errors.keys() == {"invdyn_loss"} and pol.decoder is None
+    torch.testing.assert_close(errors["invdyn_loss"], (pol.invdyn(pol.encoder(obs)) - prev).square().sum(1))
+    assert pol.score_actions_aux(obs, action)[3] == {}  # no previous actions given: no term
+    assert ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig()).invdyn is None
+
+
+def test_inverse_dynamics_trains_the_encoder_even_with_a_detached_actor():
+    torch.manual_seed(0)
+    pol = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(invdyn=True, detach_actor=True))
+    obs, prev = _obs(16), torch.rand(16, 2) * 2 - 1
+    pol.score_actions_aux(obs, torch.randn(16, 2), prev)[3]["invdyn_loss"].mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in pol.encoder.parameters())
+    assert pol.actor[0].weight.grad is None and pol.critic[0].weight.grad is None
+
+
+def test_inverse_dynamics_refuses_discrete_actions():
+    from visppo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.invdyn"):
+        ActorCritic(OBS, gym.spaces.Discrete(3), ModelConfig(invdyn=True))

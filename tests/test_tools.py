@@ -264,6 +264,25 @@ def test_grad_share_measures_the_reconstruction_term_where_it_flows(tmp_path):
     assert "reconstruction term" in proc.stdout and "| decoder |" in proc.stdout
 
 
+def test_grad_share_measures_the_inverse_dynamics_term_where_it_flows(tmp_path):
+    """With model.invdyn, a tiny run trains (the update's metrics log the term) and reloads, and the
+    term's gradient reaches the encoder and its head only."""
+    from visppo.config import load_config
+    from visppo.train import train
+
+    run = train(load_config(None, tiny_overrides(tmp_path, **{"model.invdyn": True, "ppo.invdyn_coef": 1.0,
+                                                              "env.frame_stack": 2})))
+    assert "loss/invdyn_loss" in (run / "metrics.csv").read_text().splitlines()[0]
+    got = _measure(_tool("grad_share"), run)
+    assert got["encoder/invdyn"] > 0 and got["inverse-dynamics head/invdyn"] > 0
+    assert got["actor head/invdyn"] == 0 and got["critic head/invdyn"] == 0
+    assert got["inverse-dynamics head/policy"] == 0 and got["inverse-dynamics head/value"] == 0
+    proc = subprocess.run([sys.executable, str(TOOLS / "grad_share.py"), str(run), "--minibatches", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "inverse-dynamics term" in proc.stdout and "| inverse-dynamics head |" in proc.stdout
+
+
 def _baselines():
     return _tool("baselines")
 

@@ -12,8 +12,9 @@ few minibatches takes the gradient of the clipped-surrogate term alone and of th
 median norm of each over the parameter groups (the actor's encoder, the critic's encoder when
 it has its own, the actor head with the log-std, the critic head), the cosine between the two
 on each encoder, and the median clip factor ``min(1, max_grad_norm / |total gradient|)``.
-With an auxiliary reconstruction loss (``model.recon_size``, ``ppo.recon_coef``) its term's
-gradient is a third column (and part of the total); the decoder is its own group.
+Each auxiliary loss that is on (reconstruction: ``model.recon_size``, ``ppo.recon_coef``;
+inverse dynamics: ``model.invdyn``, ``ppo.invdyn_coef``) adds a column with its term's gradient
+(part of the total); their heads are groups of their own.
 
 It reads the training code's own pieces (``ppo_loss``, ``normalize_advantages``,
 ``compute_gae``, ``collect``) in fp32 on the CPU, and changes nothing on disk.
@@ -41,9 +42,21 @@ def parameter_groups(policy) -> dict[str, list[torch.nn.Parameter]]:
         "actor head": list(policy.actor.parameters()) + ([policy.log_std] if hasattr(policy, "log_std") else []),
         "critic head": list(policy.critic.parameters()),
         "decoder": list(policy.decoder.parameters()) if policy.decoder is not None else [],
+        "inverse-dynamics head": list(policy.invdyn.parameters()) if policy.invdyn is not None else [],
     }
     trained = {name: [q for q in qs if q.requires_grad] for name, qs in groups.items()}
     return {name: qs for name, qs in trained.items() if qs}
+
+
+AUX_TERMS = {"recon": "reconstruction term", "invdyn": "inverse-dynamics term"}
+"""The auxiliary losses' short names (their stats are ``<name>_loss``) and column titles."""
+
+
+def aux_coefs(policy, ppo) -> dict[str, float]:
+    """The auxiliary terms that are on, by short name, with their weights."""
+    coefs = {"recon": ppo.recon_coef if policy.decoder is not None else 0.0,
+             "invdyn": ppo.invdyn_coef if policy.invdyn is not None else 0.0}
+    return {k: c for k, c in coefs.items() if c > 0}
 
 
 def flat_grad(loss: torch.Tensor, params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -91,13 +104,18 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
     params = [q for qs in groups.values() for q in qs]
     sizes = [sum(q.numel() for q in qs) for qs in groups.values()]
     per_mb: list[dict[str, float]] = []
+    coefs = aux_coefs(policy, p)
+    if "invdyn" in coefs:
+        buffer.fill_previous_actions()
     advantages = buffer.flat(buffer.advantages)
     for mb in minibatch_indices(buffer.size, p.minibatch_size, generator)[:minibatches]:
         batch = buffer.gather(mb, torch.device("cpu"))
         adv = normalize_advantages(advantages[mb]) if p.norm_adv else advantages[mb]
-        recon = policy.decoder is not None and p.recon_coef > 0
-        if recon:
-            logp, entropy, values, recon_error = policy.score_actions_recon(obs_of(batch), batch["actions"])
+        if coefs:
+            logp, entropy, values, aux = policy.score_actions_aux(obs_of(batch), batch["actions"],
+                                                                  batch.get("prev_actions"))
+            if "invdyn" in coefs:
+                aux["invdyn_loss"] = aux["invdyn_loss"] * batch["prev_valid"]
         else:
             logp, entropy, values = policy.score_actions(obs_of(batch), batch["actions"])
         args = (logp, batch["logp"], adv, values, batch["values"], batch["returns"], entropy, p.clip_coef, p.clip_value)
@@ -106,12 +124,13 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
         g_full = flat_grad(full.mean(), params)
         g_pg = flat_grad(surrogate.mean(), params)
         g_rest = g_full - g_pg
-        g_recon = flat_grad(p.recon_coef * recon_error.mean(), params) if recon else torch.zeros_like(g_full)
-        row = {"total": float((g_full + g_recon).norm())}
-        for (name, _), a, b, c in zip(groups.items(), g_pg.split(sizes), g_rest.split(sizes), g_recon.split(sizes)):
+        g_aux = {k: flat_grad(c * aux[f"{k}_loss"].mean(), params).split(sizes) for k, c in coefs.items()}
+        g_total = g_full + sum((torch.cat(g) for g in g_aux.values()), torch.zeros_like(g_full))
+        row = {"total": float(g_total.norm())}
+        for i, ((name, _), a, b) in enumerate(zip(groups.items(), g_pg.split(sizes), g_rest.split(sizes))):
             row[f"{name}/policy"], row[f"{name}/value"] = float(a.norm()), float(b.norm())
-            if recon:
-                row[f"{name}/recon"] = float(c.norm())
+            for k, g in g_aux.items():
+                row[f"{name}/{k}"] = float(g[i].norm())
             if name.startswith("encoder"):
                 denom = float(a.norm() * b.norm())
                 row[f"{name}/cosine"] = float(a @ b) / denom if denom > 0 else math.nan  # nan: one term is 0 there
@@ -122,15 +141,15 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
 
 def report(medians: dict, value_label: str) -> str:
     names = list(dict.fromkeys(k.split("/")[0] for k in medians if "/" in k))
-    recon = any(k.endswith("/recon") for k in medians)
-    extra = (" reconstruction term |", " --- |") if recon else ("", "")
+    aux = [k for k in AUX_TERMS if any(m.endswith(f"/{k}") for m in medians)]
+    extra = ("".join(f" {AUX_TERMS[k]} |" for k in aux), " --- |" * len(aux))
     lines = [f"| group | policy term | {value_label} | value / policy | cosine |{extra[0]}",
              f"| --- | --- | --- | --- | --- |{extra[1]}"]
     for n in names:
         pol, val = medians[f"{n}/policy"], medians[f"{n}/value"]
         ratio = f"{val / pol:.3g}" if pol > 0 else "inf" if val > 0 else ""
         cos = medians.get(f"{n}/cosine")
-        rec = f" {medians[f'{n}/recon']:.3g} |" if recon else ""
+        rec = "".join(f" {medians[f'{n}/{k}']:.3g} |" for k in aux)
         lines.append(f"| {n} | {pol:.3g} | {val:.3g} | {ratio} | "
                      f"{'' if cos is None or math.isnan(cos) else f'{cos:.2f}'} |{rec}")
     lines.append(f"\nmedian total gradient norm {medians['total']:.3g}, "

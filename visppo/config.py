@@ -98,6 +98,8 @@ class ModelConfig:
     """Largest shift in pixels for augment=shift (pad and random crop, as DrQ)."""
     recon_size: int = 0
     """0: off. N: a decoder (an MLP) reconstructs the stacked frames, average-pooled to NxN, from the actor encoder's features, an auxiliary loss (ppo.recon_coef) that keeps in the features what the RL losses would discard (SAC-AE, Yarats et al. 2019). DMC reacher-easy, 4 epochs, one seed, 500k: with 21 and recon_coef 1.0 the encoder kept the arm (tools/feature_probe.py) but the return fell, 28 vs 210 (README): off."""
+    invdyn: bool = False
+    """An inverse-dynamics head (an MLP) predicts, from the actor encoder's features of the stacked frames, the action taken just before the newest frame (it moved the robot between the last two frames): an auxiliary loss (ppo.invdyn_coef) that makes the encoder keep what the agent's actions move, its own body, which reward-driven features can drop (DMC reacher-easy's encoder holds the target but not the fingertip, tools/feature_probe.py). Continuous actions only; needs env.frame_stack >= 2."""
     feature_dim: int = 256
     """Width of the encoder's output features."""
     hidden_dim: int = 256
@@ -162,6 +164,8 @@ class PPOConfig:
     """DrAC weight of the policy-KL and value regularisers between original and augmented frames (needs model.augment); 0 is off."""
     recon_coef: float = 0.0
     """Weight of the reconstruction loss (each sample's squared error summed over its pooled frames, pixels in [0, 1]; needs model.recon_size); 0 is off."""
+    invdyn_coef: float = 0.0
+    """Weight of the inverse-dynamics loss (each sample's squared error between the predicted and the executed previous action, summed over action dimensions; samples with no previous action in their episode count 0; needs model.invdyn); 0 is off."""
 
 
 @dataclass
@@ -609,6 +613,16 @@ def _validate_finetuning(cfg: Config) -> None:
                           "ppo.recon_coef=1.0) or neither")
     if m.recon_size and cfg.ppo.drac_coef:
         raise ConfigError("model.recon_size and ppo.drac_coef cannot be combined yet: set one of them to 0")
+    if cfg.ppo.invdyn_coef < 0:
+        raise ConfigError(f"ppo.invdyn_coef must be >= 0, got {cfg.ppo.invdyn_coef}")
+    if m.invdyn != bool(cfg.ppo.invdyn_coef):
+        raise ConfigError("model.invdyn and ppo.invdyn_coef go together: set both (e.g. model.invdyn=true "
+                          "ppo.invdyn_coef=1.0) or neither")
+    if m.invdyn and cfg.ppo.drac_coef:
+        raise ConfigError("model.invdyn and ppo.drac_coef cannot be combined yet: set one of them to 0")
+    if m.invdyn and cfg.env.frame_stack < 2:
+        raise ConfigError(f"model.invdyn needs env.frame_stack >= 2 (the motion the previous action caused), "
+                          f"got {cfg.env.frame_stack}")
     if m.detach_actor and not m.share_encoder:
         raise ConfigError("model.detach_actor needs model.share_encoder=true: with its own encoder detached, "
                           "the actor's encoder would never train")

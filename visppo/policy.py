@@ -3,8 +3,9 @@
 Three entry points and nothing else: ``act`` (sample at collection time),
 ``score_actions`` (log-prob, entropy and value of stored actions, for the loss) and
 ``value`` (for bootstrapping); ``score_actions_augmented`` is ``score_actions`` plus
-what the DrAC terms of the update need, and ``score_actions_recon`` is ``score_actions`` plus
-each sample's reconstruction error (model.recon_size). Distributions are built in float32 even under
+what the DrAC terms of the update need, and ``score_actions_aux`` is ``score_actions`` plus
+each sample's error on the auxiliary heads that are on (reconstruction, model.recon_size;
+inverse dynamics, model.invdyn). Distributions are built in float32 even under
 autocast: log-probs feed a ratio ``exp(new - old)`` that low precision would
 distort. ``augment`` (a RandomShift, or None) is used by the update only.
 """
@@ -19,7 +20,7 @@ from torch import nn
 from torch.distributions import Categorical, Normal
 
 from visppo.augment import make_augmentation
-from visppo.config import ModelConfig
+from visppo.config import ConfigError, ModelConfig
 from visppo.encoders import ObsEncoder, load_encoder_weights
 
 Obs = dict[str, torch.Tensor]
@@ -72,6 +73,11 @@ class ActorCritic(nn.Module):
         if cfg.recon_size:  # an auxiliary head: the update only; never acts
             self.decoder = nn.Sequential(nn.Linear(feat, cfg.hidden_dim), nn.ReLU(),
                                          nn.Linear(cfg.hidden_dim, int(np.prod(self.recon_shape))))
+        self.invdyn = None
+        if cfg.invdyn:  # an auxiliary head: the update only; never acts
+            if self.discrete:
+                raise ConfigError("model.invdyn needs a continuous (Box) action space: set it to false")
+            self.invdyn = nn.Sequential(nn.Linear(feat, cfg.hidden_dim), nn.ReLU(), nn.Linear(cfg.hidden_dim, act_dim))
         self.encoder_name = cfg.encoder
         self.augment = make_augmentation(cfg.augment, cfg.shift_pad)  # last: it draws its seed
 
@@ -158,20 +164,30 @@ class ActorCritic(nn.Module):
         entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
         return self._log_prob(dist, action), entropy, values[:n], dist, aug_dist, values[n:]
 
-    def score_actions_recon(self, obs: Obs, action: torch.Tensor):
-        """``score_actions`` plus each sample's reconstruction error: the decoder reads the actor
-        encoder's features (not detached, even with detach_actor) and predicts the stacked frames
-        average-pooled to model.recon_size, in [0, 1]; the error is the squared difference summed over
-        that pooled image, in float32 (a sum, not a mean: its gradient on the shared encoder must not
-        vanish beside the value loss's, which is in return units). Returns ``(logp, entropy, value,
-        recon_error)``."""
-        with torch.no_grad():  # first: the frames' float copy is freed before the encoder's activations exist
-            target = F.adaptive_avg_pool2d(obs["pixels"].float(), self.recon_shape[1:]).div_(255.0)
+    def score_actions_aux(self, obs: Obs, action: torch.Tensor, prev_action: torch.Tensor | None = None):
+        """``score_actions`` plus each sample's error on the auxiliary heads that are on, all reading
+        the actor encoder's features (not detached, even with detach_actor), in float32:
+        ``recon_loss``: the decoder predicts the stacked frames average-pooled to model.recon_size, in
+        [0, 1]; the squared difference summed over that pooled image (a sum, not a mean: its gradient
+        on the shared encoder must not vanish beside the value loss's, which is in return units).
+        ``invdyn_loss`` (given ``prev_action``): the inverse-dynamics head predicts the action executed
+        just before the newest frame; the squared difference summed over action dimensions.
+        Returns ``(logp, entropy, value, {name: per-sample error})``."""
+        target = None
+        if self.decoder is not None:  # first: the frames' float copy is freed before the encoder's activations exist
+            with torch.no_grad():
+                target = F.adaptive_avg_pool2d(obs["pixels"].float(), self.recon_shape[1:]).div_(255.0)
         actor_feats, critic_feats, feats = self._features(obs)
-        recon = self.decoder(feats).float().view(-1, *self.recon_shape)
-        with torch.autocast(recon.device.type, enabled=False):
-            error = (recon - target).square().flatten(1).sum(1)
-        return (*self._scored(actor_feats, critic_feats, action), error)
+        errors = {}
+        if target is not None:
+            recon = self.decoder(feats).float().view(-1, *self.recon_shape)
+            with torch.autocast(recon.device.type, enabled=False):
+                errors["recon_loss"] = (recon - target).square().flatten(1).sum(1)
+        if self.invdyn is not None and prev_action is not None:
+            predicted = self.invdyn(feats).float()
+            with torch.autocast(predicted.device.type, enabled=False):
+                errors["invdyn_loss"] = (predicted - prev_action.float()).square().sum(1)
+        return (*self._scored(actor_feats, critic_feats, action), errors)
 
     def value(self, obs: Obs) -> torch.Tensor:
         return self._value(self.encoder(obs) if self.critic_encoder is None else self.critic_encoder(obs))

@@ -53,6 +53,7 @@ STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac")
 """Per-minibatch statistics of the PPO loss (means over the minibatch)."""
 DRAC_STATS = ("drac_policy", "drac_value")
 RECON_STATS = ("recon_loss",)
+INVDYN_STATS = ("invdyn_loss",)
 
 # --------------------------------------------------------------------------- memory sizes, OOM back-off
 
@@ -250,6 +251,9 @@ class UpdateResult:
     drac_value: float = math.nan
     recon_loss: float = math.nan
     """Mean reconstruction error (model.recon_size; NaN when off)."""
+    invdyn_loss: float = math.nan
+    """Mean inverse-dynamics error over all samples, those with no previous action counting 0
+    (model.invdyn; NaN when off)."""
     stop_kl: float = math.nan
     """The approx-KL of the minibatch that stopped the update early (NaN: no early stop)."""
     optimizer_steps: int = 0
@@ -264,7 +268,8 @@ class UpdateResult:
 
     def losses(self) -> dict[str, float]:
         """The loss terms and minibatch statistics, for the metrics (``loss/<name>``)."""
-        return {name: getattr(self, name) for name in (*STATS, "grad_norm", *DRAC_STATS, *RECON_STATS, "stop_kl")}
+        return {name: getattr(self, name)
+                for name in (*STATS, "grad_norm", *DRAC_STATS, *RECON_STATS, *INVDYN_STATS, "stop_kl")}
 
 
 def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Tensor,
@@ -282,8 +287,8 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     made before the split, so micro-batching does not change them, and committed
     at the end, so a retry after an OOM draws the same ones.
 
-    With ``ppo.recon_coef`` and a decoder (model.recon_size), each sample's loss
-    also has ``recon_coef`` times its reconstruction error.
+    Auxiliary heads that are on (model.recon_size, model.invdyn) add their weighted
+    per-sample errors (``auxiliary_loss``).
     """
     from visppo.augment import drac_loss
 
@@ -291,6 +296,7 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     value_scale = policy.value_scale()
     augment = policy.augment if cfg.drac_coef else None
     recon = bool(cfg.recon_coef) and policy.decoder is not None
+    invdyn = bool(cfg.invdyn_coef) and policy.invdyn is not None and buffer.prev_actions is not None
     if augment is not None:
         draws, rng_after = augment.draw_ahead(n)
     sums: dict[str, torch.Tensor] = {}
@@ -299,8 +305,8 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
         batch = buffer.gather(micro, setup.device)
         obs, actions, stop = obs_of(batch), batch["actions"], offset + len(micro)
         with precision.autocast():
-            if recon:
-                new_logp, entropy, new_values, recon_error = policy.score_actions_recon(obs, actions)
+            if recon or invdyn:
+                new_logp, entropy, new_values, aux = policy.score_actions_aux(obs, actions, batch.get("prev_actions"))
             elif augment is None:
                 new_logp, entropy, new_values = policy.score_actions(obs, actions)
             else:
@@ -314,9 +320,10 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
             reg, reg_stats = drac_loss(dist, new_values / value_scale, aug_dist, aug_values / value_scale)
             loss = loss + cfg.drac_coef * reg
             stats.update(reg_stats)
-        if recon:
-            loss = loss + cfg.recon_coef * recon_error
-            stats["recon_loss"] = recon_error.detach()
+        if recon or invdyn:
+            aux_loss, aux_stats = auxiliary_loss(cfg, aux, batch, recon, invdyn)
+            loss = loss + aux_loss
+            stats.update(aux_stats)
         loss = loss.sum() / n  # the minibatch mean, split over micro-batches
         (precision.scaler.scale(loss) if precision.scaler else loss).backward()
         for k, v in stats.items():
@@ -327,6 +334,21 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     return {k: v / n for k, v in sums.items()}
 
 
+def auxiliary_loss(cfg: PPOConfig, aux: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], recon: bool,
+                   invdyn: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Each sample's weighted auxiliary errors (``score_actions_aux``'s) and their statistics: the
+    reconstruction error; the inverse-dynamics error where the sample has a previous action, else 0."""
+    loss, stats = torch.zeros(()), {}
+    if recon:
+        loss = loss + cfg.recon_coef * aux["recon_loss"]
+        stats["recon_loss"] = aux["recon_loss"].detach()
+    if invdyn:
+        error = aux["invdyn_loss"] * batch["prev_valid"]
+        loss = loss + cfg.invdyn_coef * error
+        stats["invdyn_loss"] = error.detach()
+    return loss, stats
+
+
 def reduced_minibatch_gradient(policy: ActorCritic, optimizer: torch.optim.Optimizer,
                                buffer: RolloutBuffer, mb: torch.Tensor, advantages: torch.Tensor,
                                setup: UpdateSetup) -> dict[str, float]:
@@ -334,7 +356,8 @@ def reduced_minibatch_gradient(policy: ActorCritic, optimizer: torch.optim.Optim
     ``setup.across_ranks``; backs off on out-of-memory (on every rank at once)."""
     params = [p for p in policy.parameters() if p.requires_grad]
     names = (STATS + (DRAC_STATS if setup.ppo.drac_coef and policy.augment is not None else ())
-             + (RECON_STATS if setup.ppo.recon_coef and policy.decoder is not None else ()))
+             + (RECON_STATS if setup.ppo.recon_coef and policy.decoder is not None else ())
+             + (INVDYN_STATS if setup.ppo.invdyn_coef and buffer.prev_actions is not None else ()))
 
     def attempt() -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
@@ -387,6 +410,8 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
     cfg = setup.ppo
     if policy.norm_value:
         update_value_norm(policy, buffer.returns, setup.across_ranks)
+    if cfg.invdyn_coef and policy.invdyn is not None:
+        buffer.fill_previous_actions()
     params = [p for p in policy.parameters() if p.requires_grad]
     result, totals = UpdateResult(), {}
     for epoch in range(cfg.num_epochs):

@@ -416,6 +416,8 @@ class Prober:
         from the second micro-batch of a minibatch on, the gradients. Returns the pass."""
         precision = Precision(self.run_device, self.dtype)
         buf = RolloutBuffer(size, 1, self.obs_space, self.action_space, channels_last=self.cfg.train.channels_last)
+        if self.cfg.ppo.invdyn_coef and self.policy.invdyn is not None:
+            buf.fill_previous_actions()  # as the update does: the inverse-dynamics term is in the pass
         self.policy.zero_grad(set_to_none=True)
         if accumulating:
             for p in self.trainable:

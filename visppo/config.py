@@ -135,7 +135,7 @@ class PPOConfig:
     anneal_lr: bool = True
     """Decay the learning rate linearly to 0 over total_steps."""
     gamma: float = 0.99
-    """Discount factor."""
+    """Discount factor (CleanRL's). 0.95 on DMC reacher-easy: ahead mid-run (training return 295 vs 175-244 at 256k), level at 500k (205 vs 199 over 10 episodes; one seed, README)."""
     gae_lambda: float = 0.95
     """GAE lambda: 0 is one-step TD, 1 is Monte Carlo."""
     clip_coef: float = 0.2

@@ -106,6 +106,9 @@ def test_inverse_dynamics_term_is_its_weight_times_the_error_where_a_previous_ac
         want = without.get(name, torch.zeros_like(g)) + (extra if extra is not None else 0.0)
         torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6, msg=name)
     assert float(stats["invdyn_loss"]) == pytest.approx(float((error * batch["prev_valid"]).mean()), rel=1e-5)
+    buf.prev_actions = buf.prev_valid = None  # never filled: refused, not silently left out
+    with pytest.raises(RuntimeError, match="fill_previous_actions"):
+        _grads(policy, buf, mb, 7, PPOConfig(invdyn_coef=3.0))
 
 
 def test_ppo_loss_matches_hand_computation():

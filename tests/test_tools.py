@@ -246,41 +246,31 @@ def test_grad_share_measures_a_run_whose_log_std_is_scheduled_not_learned(tmp_pa
     assert "| actor head |" in proc.stdout and torch.isfinite(policy.log_std).all()
 
 
-def test_grad_share_measures_the_reconstruction_term_where_it_flows(tmp_path):
-    """With model.recon_size, a tiny run trains and reloads, and the reconstruction term's gradient
-    reaches the encoder and the decoder, never the actor's or critic's head; the RL terms never
-    reach the decoder."""
+@pytest.mark.parametrize("term,overrides,head,title", [
+    ("recon", {"model.recon_size": 8, "ppo.recon_coef": 1.0}, "decoder", "reconstruction term"),
+    ("invdyn", {"model.invdyn": True, "ppo.invdyn_coef": 1.0, "env.frame_stack": 2}, "inverse-dynamics head",
+     "inverse-dynamics term"),
+])
+def test_grad_share_measures_an_auxiliary_term_where_it_flows(tmp_path, term, overrides, head, title):
+    """With an auxiliary loss on, a tiny run trains (its metrics log the term) and reloads, and the
+    term's gradient reaches the encoder and its own head, never the actor's or critic's head; the
+    RL terms never reach that head."""
+    import csv
+
     from visppo.config import load_config
     from visppo.train import train
 
-    run = train(load_config(None, tiny_overrides(tmp_path, **{"model.recon_size": 8, "ppo.recon_coef": 1.0})))
+    run = train(load_config(None, tiny_overrides(tmp_path, **overrides)))
+    logged = [float(r[f"loss/{term}_loss"]) for r in csv.DictReader(open(run / "metrics.csv"))]
+    assert logged and all(np.isfinite(logged))
     got = _measure(_tool("grad_share"), run)
-    assert got["encoder/recon"] > 0 and got["decoder/recon"] > 0
-    assert got["actor head/recon"] == 0 and got["critic head/recon"] == 0
-    assert got["decoder/policy"] == 0 and got["decoder/value"] == 0
+    assert got[f"encoder/{term}"] > 0 and got[f"{head}/{term}"] > 0
+    assert got[f"actor head/{term}"] == 0 and got[f"critic head/{term}"] == 0
+    assert got[f"{head}/policy"] == 0 and got[f"{head}/value"] == 0
     proc = subprocess.run([sys.executable, str(TOOLS / "grad_share.py"), str(run), "--minibatches", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "reconstruction term" in proc.stdout and "| decoder |" in proc.stdout
-
-
-def test_grad_share_measures_the_inverse_dynamics_term_where_it_flows(tmp_path):
-    """With model.invdyn, a tiny run trains (the update's metrics log the term) and reloads, and the
-    term's gradient reaches the encoder and its head only."""
-    from visppo.config import load_config
-    from visppo.train import train
-
-    run = train(load_config(None, tiny_overrides(tmp_path, **{"model.invdyn": True, "ppo.invdyn_coef": 1.0,
-                                                              "env.frame_stack": 2})))
-    assert "loss/invdyn_loss" in (run / "metrics.csv").read_text().splitlines()[0]
-    got = _measure(_tool("grad_share"), run)
-    assert got["encoder/invdyn"] > 0 and got["inverse-dynamics head/invdyn"] > 0
-    assert got["actor head/invdyn"] == 0 and got["critic head/invdyn"] == 0
-    assert got["inverse-dynamics head/policy"] == 0 and got["inverse-dynamics head/value"] == 0
-    proc = subprocess.run([sys.executable, str(TOOLS / "grad_share.py"), str(run), "--minibatches", "1"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "inverse-dynamics term" in proc.stdout and "| inverse-dynamics head |" in proc.stdout
+    assert title in proc.stdout and f"| {head} |" in proc.stdout
 
 
 def _baselines():

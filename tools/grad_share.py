@@ -49,14 +49,7 @@ def parameter_groups(policy) -> dict[str, list[torch.nn.Parameter]]:
 
 
 AUX_TERMS = {"recon": "reconstruction term", "invdyn": "inverse-dynamics term"}
-"""The auxiliary losses' short names (their stats are ``<name>_loss``) and column titles."""
-
-
-def aux_coefs(policy, ppo) -> dict[str, float]:
-    """The auxiliary terms that are on, by short name, with their weights."""
-    coefs = {"recon": ppo.recon_coef if policy.decoder is not None else 0.0,
-             "invdyn": ppo.invdyn_coef if policy.invdyn is not None else 0.0}
-    return {k: c for k, c in coefs.items() if c > 0}
+"""The auxiliary losses' short names (the training metrics call them ``<name>_loss``) and column titles."""
 
 
 def flat_grad(loss: torch.Tensor, params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -97,14 +90,14 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
     cosine on each encoder, the total norm; returns the medians over the minibatches."""
     from visppo.buffer import minibatches as minibatch_indices
     from visppo.buffer import obs_of
-    from visppo.ppo import normalize_advantages, ppo_loss
+    from visppo.ppo import auxiliary_errors, auxiliary_weights, normalize_advantages, ppo_loss
 
     p = cfg.ppo
     groups = parameter_groups(policy)
     params = [q for qs in groups.values() for q in qs]
     sizes = [sum(q.numel() for q in qs) for qs in groups.values()]
     per_mb: list[dict[str, float]] = []
-    coefs = aux_coefs(policy, p)
+    coefs = {name.removesuffix("_loss"): w for name, w in auxiliary_weights(policy, p).items()}
     if "invdyn" in coefs:
         buffer.fill_previous_actions()
     advantages = buffer.flat(buffer.advantages)
@@ -114,8 +107,7 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
         if coefs:
             logp, entropy, values, aux = policy.score_actions_aux(obs_of(batch), batch["actions"],
                                                                   batch.get("prev_actions"))
-            if "invdyn" in coefs:
-                aux["invdyn_loss"] = aux["invdyn_loss"] * batch["prev_valid"]
+            aux = auxiliary_errors(aux, batch)
         else:
             logp, entropy, values = policy.score_actions(obs_of(batch), batch["actions"])
         args = (logp, batch["logp"], adv, values, batch["values"], batch["returns"], entropy, p.clip_coef, p.clip_value)

@@ -198,8 +198,7 @@ class RolloutBuffer:
         """Set ``prev_actions[t]``, the action each env executed at step ``t - 1`` (clipped to the
         action space, as the env ran it), and ``prev_valid[t]``, whether that step is in the same
         episode: never at ``t = 0`` (the previous rollout is gone) nor on an episode's first step."""
-        executed = self.actions if self.action_bounds is None else \
-            torch.maximum(torch.minimum(self.actions, self.action_bounds[1]), self.action_bounds[0])
+        executed = self.actions if self.action_bounds is None else self.actions.clamp(*self.action_bounds)
         prev = torch.zeros_like(self.actions)
         prev[1:] = executed[:-1]
         valid = torch.zeros_like(self.terminated)

@@ -52,8 +52,8 @@ T = TypeVar("T")
 STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac")
 """Per-minibatch statistics of the PPO loss (means over the minibatch)."""
 DRAC_STATS = ("drac_policy", "drac_value")
-RECON_STATS = ("recon_loss",)
-INVDYN_STATS = ("invdyn_loss",)
+AUX_STATS = ("recon_loss", "invdyn_loss")
+"""The auxiliary losses' per-sample errors (``ActorCritic.score_actions_aux``), by stat name."""
 
 # --------------------------------------------------------------------------- memory sizes, OOM back-off
 
@@ -269,7 +269,7 @@ class UpdateResult:
     def losses(self) -> dict[str, float]:
         """The loss terms and minibatch statistics, for the metrics (``loss/<name>``)."""
         return {name: getattr(self, name)
-                for name in (*STATS, "grad_norm", *DRAC_STATS, *RECON_STATS, *INVDYN_STATS, "stop_kl")}
+                for name in (*STATS, "grad_norm", *DRAC_STATS, *AUX_STATS, "stop_kl")}
 
 
 def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Tensor,
@@ -287,16 +287,16 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     made before the split, so micro-batching does not change them, and committed
     at the end, so a retry after an OOM draws the same ones.
 
-    Auxiliary heads that are on (model.recon_size, model.invdyn) add their weighted
-    per-sample errors (``auxiliary_loss``).
+    Auxiliary heads that are on add their weighted per-sample errors (``auxiliary_loss``).
     """
     from visppo.augment import drac_loss
 
     cfg, precision, n = setup.ppo, setup.precision, len(mb)
     value_scale = policy.value_scale()
     augment = policy.augment if cfg.drac_coef else None
-    recon = bool(cfg.recon_coef) and policy.decoder is not None
-    invdyn = bool(cfg.invdyn_coef) and policy.invdyn is not None and buffer.prev_actions is not None
+    weights = auxiliary_weights(policy, cfg)
+    if "invdyn_loss" in weights and buffer.prev_actions is None:
+        raise RuntimeError("model.invdyn: call buffer.fill_previous_actions() before the update's passes")
     if augment is not None:
         draws, rng_after = augment.draw_ahead(n)
     sums: dict[str, torch.Tensor] = {}
@@ -305,7 +305,7 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
         batch = buffer.gather(micro, setup.device)
         obs, actions, stop = obs_of(batch), batch["actions"], offset + len(micro)
         with precision.autocast():
-            if recon or invdyn:
+            if weights:
                 new_logp, entropy, new_values, aux = policy.score_actions_aux(obs, actions, batch.get("prev_actions"))
             elif augment is None:
                 new_logp, entropy, new_values = policy.score_actions(obs, actions)
@@ -320,8 +320,8 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
             reg, reg_stats = drac_loss(dist, new_values / value_scale, aug_dist, aug_values / value_scale)
             loss = loss + cfg.drac_coef * reg
             stats.update(reg_stats)
-        if recon or invdyn:
-            aux_loss, aux_stats = auxiliary_loss(cfg, aux, batch, recon, invdyn)
+        if weights:
+            aux_loss, aux_stats = auxiliary_loss(weights, aux, batch)
             loss = loss + aux_loss
             stats.update(aux_stats)
         loss = loss.sum() / n  # the minibatch mean, split over micro-batches
@@ -334,19 +334,28 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     return {k: v / n for k, v in sums.items()}
 
 
-def auxiliary_loss(cfg: PPOConfig, aux: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], recon: bool,
-                   invdyn: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Each sample's weighted auxiliary errors (``score_actions_aux``'s) and their statistics: the
-    reconstruction error; the inverse-dynamics error where the sample has a previous action, else 0."""
-    loss, stats = torch.zeros(()), {}
-    if recon:
-        loss = loss + cfg.recon_coef * aux["recon_loss"]
-        stats["recon_loss"] = aux["recon_loss"].detach()
-    if invdyn:
-        error = aux["invdyn_loss"] * batch["prev_valid"]
-        loss = loss + cfg.invdyn_coef * error
-        stats["invdyn_loss"] = error.detach()
-    return loss, stats
+def auxiliary_weights(policy: ActorCritic, cfg: PPOConfig) -> dict[str, float]:
+    """The auxiliary losses that are on (their head exists and their weight is above 0), by stat
+    name, with their weights: what the update, the memory probe and tools/grad_share.py include."""
+    weights = {"recon_loss": cfg.recon_coef if policy.decoder is not None else 0.0,
+               "invdyn_loss": cfg.invdyn_coef if policy.invdyn is not None else 0.0}
+    return {name: w for name, w in weights.items() if w > 0}
+
+
+def auxiliary_errors(aux: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``score_actions_aux``'s per-sample errors as the loss counts them: the inverse-dynamics one is 0
+    where the sample has no previous action in its episode."""
+    if "invdyn_loss" in aux:
+        aux = {**aux, "invdyn_loss": aux["invdyn_loss"] * batch["prev_valid"]}
+    return aux
+
+
+def auxiliary_loss(weights: dict[str, float], aux: dict[str, torch.Tensor],
+                   batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Each sample's weighted auxiliary errors (those of ``weights``) and their statistics."""
+    errors = auxiliary_errors(aux, batch)
+    loss = sum((w * errors[name] for name, w in weights.items()), torch.zeros(()))
+    return loss, {name: errors[name].detach() for name in weights}
 
 
 def reduced_minibatch_gradient(policy: ActorCritic, optimizer: torch.optim.Optimizer,
@@ -356,8 +365,7 @@ def reduced_minibatch_gradient(policy: ActorCritic, optimizer: torch.optim.Optim
     ``setup.across_ranks``; backs off on out-of-memory (on every rank at once)."""
     params = [p for p in policy.parameters() if p.requires_grad]
     names = (STATS + (DRAC_STATS if setup.ppo.drac_coef and policy.augment is not None else ())
-             + (RECON_STATS if setup.ppo.recon_coef and policy.decoder is not None else ())
-             + (INVDYN_STATS if setup.ppo.invdyn_coef and buffer.prev_actions is not None else ()))
+             + tuple(auxiliary_weights(policy, setup.ppo)))
 
     def attempt() -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
@@ -410,7 +418,7 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
     cfg = setup.ppo
     if policy.norm_value:
         update_value_norm(policy, buffer.returns, setup.across_ranks)
-    if cfg.invdyn_coef and policy.invdyn is not None:
+    if "invdyn_loss" in auxiliary_weights(policy, cfg):
         buffer.fill_previous_actions()
     params = [p for p in policy.parameters() if p.requires_grad]
     result, totals = UpdateResult(), {}

@@ -88,11 +88,14 @@ def test_drac_loss_is_zero_without_difference_and_pulls_only_the_augmented_side(
     (["ppo.drac_coef=0.1"], "model.augment"),
     (["model.augment=cutout", "ppo.drac_coef=0.1"], "model.augment"),
     (["model.augment=shift", "ppo.drac_coef=0.1", "model.shift_pad=0"], "model.shift_pad"),
+    (["ppo.augment_loss=true"], "model.augment"),
+    (["model.augment=shift", "ppo.drac_coef=0.1", "ppo.augment_loss=true"], "ppo.augment_loss"),
 ])
 def test_augmentation_config_is_checked(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, overrides)
     assert load_config(None, ["model.augment=shift", "ppo.drac_coef=0.1"]).model.shift_pad == 4
+    assert load_config(None, ["model.augment=shift", "ppo.augment_loss=true"]).ppo.augment_loss
 
 
 def test_gaussian_kl_matches_torch_and_keeps_small_differences():

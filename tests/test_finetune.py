@@ -251,19 +251,39 @@ def test_checkpointing_gives_the_same_gradients_in_theupdate_with():
     _assert_same_grads(*grads)
 
 
-@pytest.mark.parametrize("augment", [False, True])
-def test_accumulated_gradient_equals_full_minibatch_gradient_resnet(augment):
-    model = {"augment": "shift", "shift_pad": 2} if augment else {}
+@pytest.mark.parametrize("use", ["none", "drac", "loss"])
+def test_accumulated_gradient_equals_full_minibatch_gradient_resnet(use):
+    model = {"augment": "shift", "shift_pad": 2} if use != "none" else {}
     policy, buf = _setup("resnet18", 32, T=4, N=2, **model)
-    cfg = PPOConfig(clip_value=True, entropy_coef=0.01, drac_coef=0.5 if augment else 0.0)
+    cfg = PPOConfig(clip_value=True, entropy_coef=0.01, drac_coef=0.5 if use == "drac" else 0.0,
+                    augment_loss=use == "loss")
     mb = torch.randperm(buf.size, generator=torch.Generator().manual_seed(1))[:7]
-    seed = 11 if augment else None
+    seed = 11 if use != "none" else None
     full, full_stats = _grads(policy, buf, mb, 7, cfg, seed)
     acc, acc_stats = _grads(policy, buf, mb, 3, cfg, seed)
     _assert_same_grads(full, acc, atol=1e-7)
     for k in full_stats:
         assert float(acc_stats[k]) == pytest.approx(float(full_stats[k]), rel=1e-5, abs=1e-7), k
-    assert ("drac_policy" in full_stats) == augment
+    assert ("drac_policy" in full_stats) == (use == "drac")
+
+
+def test_augment_loss_is_the_ppo_gradient_on_the_minibatchs_shifted_frames():
+    """ppo.augment_loss (RAD): the update's gradient is the plain one on a copy of the frames shifted
+    by the minibatch's draws; logp_old, values and returns stay the buffer's."""
+    policy, buf = _setup("nature", 48, T=4, N=2, augment="shift", shift_pad=4)
+    mb = torch.tensor([5, 0, 3, 6, 1, 2])
+    policy.augment.generator.manual_seed(7)
+    offsets, _ = policy.augment.draw_ahead(len(mb))
+    assert offsets.ne(policy.augment.pad).any()  # some sample is really moved
+    got, stats = _grads(policy, buf, mb, 4, PPOConfig(augment_loss=True, entropy_coef=0.01), seed=7)
+    shifted = buf.flat(buf.obs["pixels"]).clone()
+    shifted[mb] = policy.augment.apply(shifted[mb], offsets)
+    buf.obs["pixels"].copy_(shifted.view(buf.obs["pixels"].shape))
+    want, want_stats = _grads(policy, buf, mb, 6, PPOConfig(entropy_coef=0.01))
+    _assert_same_grads(got, want, atol=1e-7)
+    assert "drac_policy" not in stats
+    plain, _ = _grads(policy, buf, mb, 6, PPOConfig(augment_loss=True, entropy_coef=0.01), seed=8)
+    assert any(not torch.equal(plain[k], want[k]) for k in want)  # other draws, another gradient
 
 
 # --------------------------------------------------------------------------- augmentation: update only
@@ -299,6 +319,8 @@ def test_augmentation_is_applied_in_the_update_and_never_when_acting(monkeypatch
     calls.clear()
     _grads(policy, buf, mb, 4, PPOConfig(drac_coef=0.0))
     assert calls == []
+    _, stats = _grads(policy, buf, mb, 4, PPOConfig(augment_loss=True))
+    assert calls == [4, 4] and "drac_policy" not in stats  # the loss's own frames, no second pass
 
 
 def test_one_pass_over_original_and_augmented_frames_equals_two():

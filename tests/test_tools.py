@@ -273,6 +273,28 @@ def test_grad_share_measures_an_auxiliary_term_where_it_flows(tmp_path, term, ov
     assert title in proc.stdout and f"| {head} |" in proc.stdout
 
 
+def test_grad_share_reads_shifted_frames_for_an_augment_loss_run(tmp_path):
+    """ppo.augment_loss: the tool measures the gradient on shifted frames, as the update takes it."""
+    import torch
+
+    from visppo.config import load_config
+    from visppo.evaluate import load_policy, resolve_checkpoint
+    from visppo.train import train
+
+    run = train(load_config(None, tiny_overrides(tmp_path, **{"model.augment": "shift", "ppo.augment_loss": True})))
+    gs = _tool("grad_share")
+    policy, cfg, _ = load_policy(resolve_checkpoint(run))
+    torch.manual_seed(0)
+    buffer = gs.rollout(policy, cfg, seed=0)
+    got = {}
+    for shifted in (True, False):
+        cfg.ppo.augment_loss = shifted
+        before = policy.augment.generator.get_state()
+        got[shifted] = gs.measure(policy, cfg, buffer, 2, torch.Generator().manual_seed(0))
+        assert torch.equal(policy.augment.generator.get_state(), before) != shifted  # draws used iff shifted
+    assert got[True]["encoder/policy"] != got[False]["encoder/policy"]
+
+
 def _baselines():
     return _tool("baselines")
 

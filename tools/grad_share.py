@@ -104,12 +104,14 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
     for mb in minibatch_indices(buffer.size, p.minibatch_size, generator)[:minibatches]:
         batch = buffer.gather(mb, torch.device("cpu"))
         adv = normalize_advantages(advantages[mb]) if p.norm_adv else advantages[mb]
+        obs = obs_of(batch)
+        if p.augment_loss:  # the losses read shifted frames, as the update's do
+            obs = policy.augment.augment_obs(obs, policy.augment.draw(len(mb)))
         if coefs:
-            logp, entropy, values, aux = policy.score_actions_aux(obs_of(batch), batch["actions"],
-                                                                  batch.get("prev_actions"))
+            logp, entropy, values, aux = policy.score_actions_aux(obs, batch["actions"], batch.get("prev_actions"))
             aux = auxiliary_errors(aux, batch)
         else:
-            logp, entropy, values = policy.score_actions(obs_of(batch), batch["actions"])
+            logp, entropy, values = policy.score_actions(obs, batch["actions"])
         args = (logp, batch["logp"], adv, values, batch["values"], batch["returns"], entropy, p.clip_coef, p.clip_value)
         full, _ = ppo_loss(*args, p.value_coef, p.entropy_coef, policy.value_scale())
         surrogate, _ = ppo_loss(*args, 0.0, 0.0, policy.value_scale())

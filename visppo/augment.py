@@ -14,6 +14,10 @@ targets on ``o`` detached. ``ppo.minibatch_gradient`` applies them to the
 update's micro-batches only; acting and the no-grad score passes never see an
 augmented frame.
 
+``ppo.augment_loss`` is the other use, RAD's (Laskin et al. 2020): every loss reads the
+shifted frames, drawn afresh per minibatch, against the ``logp_old`` of the frames the
+policy acted on. Unsound in the way above, and cheap (no second pass); measured, not assumed.
+
 Random draws come from the module's own ``torch.Generator`` (saved in the
 policy's state dict, so a resumed run draws the same shifts); a minibatch's
 shifts are drawn at once, before it is split into micro-batches, so

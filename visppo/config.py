@@ -160,6 +160,8 @@ class PPOConfig:
     """Recompute values and advantages (chunked, no grad) at the start of every epoch."""
     adam_eps: float = 1e-5
     """Adam epsilon."""
+    augment_loss: bool = False
+    """Every loss of the update reads model.augment's shifted frames, drawn afresh per minibatch (RAD, Laskin et al. 2020); logp_old stays the acting pass's, on the original frames. Not with drac_coef."""
     drac_coef: float = 0.0
     """DrAC weight of the policy-KL and value regularisers between original and augmented frames (needs model.augment); 0 is off."""
     recon_coef: float = 0.0
@@ -552,6 +554,7 @@ def _validate_choices(cfg: Config) -> None:
     choice("memory.buffer_device", cfg.memory.buffer_device, ("cpu", "device"))
     choice("model.encoder", cfg.model.encoder, ENCODERS)
     _validate_finetuning(cfg)
+    _validate_auxiliary(cfg)
     for key in ("train.device", "rollout.device"):
         value = getattr(cfg, key.split(".")[0]).device
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
@@ -569,7 +572,7 @@ def _validate_choices(cfg: Config) -> None:
 
 
 def _validate_finetuning(cfg: Config) -> None:
-    """Encoder, weights, fine-tuning and augmentation keys. Never reads a weights file: that
+    """Encoder, weights and fine-tuning keys. Never reads a weights file: that
     happens when the policy is built, so recipes load on machines without the file."""
     m = cfg.model
     torchvision = m.encoder in TORCHVISION_ENCODERS
@@ -592,17 +595,28 @@ def _validate_finetuning(cfg: Config) -> None:
     if torchvision and side < 32:
         raise ConfigError(f"model.encoder={m.encoder} needs frames of at least 32x32, got {side}: "
                           "raise env.image_size or set model.resize")
+    if m.detach_actor and not m.share_encoder:
+        raise ConfigError("model.detach_actor needs model.share_encoder=true: with its own encoder detached, "
+                          "the actor's encoder would never train")
+
+
+def _validate_auxiliary(cfg: Config) -> None:
+    """Augmentation and auxiliary-loss keys: each needs its head or its use, and the pairs not built yet."""
+    m = cfg.model
     if m.augment not in AUGMENTATIONS:
         raise ConfigError(f"model.augment must be one of {' | '.join(AUGMENTATIONS)}, got '{m.augment}'")
     if m.shift_pad <= 0:
         raise ConfigError(f"model.shift_pad must be positive, got {m.shift_pad}")
     if cfg.ppo.drac_coef < 0:
         raise ConfigError(f"ppo.drac_coef must be >= 0, got {cfg.ppo.drac_coef}")
-    if m.augment != "none" and not cfg.ppo.drac_coef:
-        raise ConfigError(f"model.augment={m.augment} needs ppo.drac_coef > 0 (e.g. 0.1): the PPO loss always "
-                          "uses the original frames, augmented ones only enter the DrAC terms")
-    if cfg.ppo.drac_coef and m.augment == "none":
-        raise ConfigError("ppo.drac_coef > 0 needs an augmentation: set model.augment=shift")
+    if m.augment != "none" and not (cfg.ppo.drac_coef or cfg.ppo.augment_loss):
+        raise ConfigError(f"model.augment={m.augment} needs a use: ppo.drac_coef > 0 (e.g. 0.1, the DrAC terms) "
+                          "or ppo.augment_loss=true (every loss on the augmented frames)")
+    if (cfg.ppo.drac_coef or cfg.ppo.augment_loss) and m.augment == "none":
+        raise ConfigError("ppo.drac_coef > 0 and ppo.augment_loss need an augmentation: set model.augment=shift")
+    if cfg.ppo.drac_coef and cfg.ppo.augment_loss:
+        raise ConfigError("ppo.drac_coef and ppo.augment_loss are two uses of model.augment: set one of them "
+                          "(ppo.drac_coef=0 or ppo.augment_loss=false)")
     if m.recon_size < 0 or m.recon_size > cfg.env.image_size:
         raise ConfigError(f"model.recon_size must be 0 (off) or 1 .. env.image_size ({cfg.env.image_size}), "
                           f"got {m.recon_size}")
@@ -623,9 +637,6 @@ def _validate_finetuning(cfg: Config) -> None:
     if m.invdyn and cfg.env.frame_stack < 2:
         raise ConfigError(f"model.invdyn needs env.frame_stack >= 2 (the motion the previous action caused), "
                           f"got {cfg.env.frame_stack}")
-    if m.detach_actor and not m.share_encoder:
-        raise ConfigError("model.detach_actor needs model.share_encoder=true: with its own encoder detached, "
-                          "the actor's encoder would never train")
 
 
 # --------------------------------------------------------------------------- documentation

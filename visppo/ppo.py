@@ -281,11 +281,11 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     minibatch). Returns the minibatch's mean loss terms, approx-KL and clip fraction
     (0-d tensors: no host sync per minibatch unless asked).
 
-    With ``ppo.drac_coef`` and ``policy.augment``: the PPO loss stays on the
-    original frames; each micro-batch also runs on its augmented frames (in the
-    same forward pass) for the DrAC terms. The minibatch's augmentation draws are
-    made before the split, so micro-batching does not change them, and committed
-    at the end, so a retry after an OOM draws the same ones.
+    With ``ppo.drac_coef``: the PPO loss stays on the original frames; each micro-batch
+    also runs on its augmented frames (in the same forward pass) for the DrAC terms. With
+    ``ppo.augment_loss`` every loss reads the augmented frames instead (RAD). Either way the
+    minibatch's augmentation draws are made before the split, so micro-batching does not
+    change them, and committed at the end, so a retry after an OOM draws the same ones.
 
     Auxiliary heads that are on add their weighted per-sample errors (``auxiliary_loss``).
     """
@@ -293,7 +293,7 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
 
     cfg, precision, n = setup.ppo, setup.precision, len(mb)
     value_scale = policy.value_scale()
-    augment = policy.augment if cfg.drac_coef else None
+    augment = policy.augment if (cfg.drac_coef or cfg.augment_loss) else None
     weights = auxiliary_weights(policy, cfg)
     if "invdyn_loss" in weights and buffer.prev_actions is None:
         raise RuntimeError("model.invdyn: call buffer.fill_previous_actions() before the update's passes")
@@ -304,24 +304,21 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     for micro in micro_batches(mb, setup.sizes.micro):
         batch = buffer.gather(micro, setup.device)
         obs, actions, stop = obs_of(batch), batch["actions"], offset + len(micro)
+        aug_obs = augment.augment_obs(obs, draws[offset:stop]) if augment is not None else None
+        if cfg.augment_loss:
+            obs, aug_obs = aug_obs, None
         with precision.autocast():
-            if weights:
-                new_logp, entropy, new_values, aux = policy.score_actions_aux(obs, actions, batch.get("prev_actions"))
-            elif augment is None:
-                new_logp, entropy, new_values = policy.score_actions(obs, actions)
-            else:
-                aug_obs = augment.augment_obs(obs, draws[offset:stop])
-                new_logp, entropy, new_values, dist, aug_dist, aug_values = \
-                    policy.score_actions_augmented(obs, aug_obs, actions)
+            new_logp, entropy, new_values, extra = score_micro(policy, obs, aug_obs, actions, batch, weights)
         loss, stats = ppo_loss(new_logp, batch["logp"], advantages[offset:stop].to(setup.device),
                                new_values, batch["values"], batch["returns"], entropy, cfg.clip_coef,
                                cfg.clip_value, cfg.value_coef, cfg.entropy_coef, value_scale)
-        if augment is not None:
+        if aug_obs is not None:
+            dist, aug_dist, aug_values = extra
             reg, reg_stats = drac_loss(dist, new_values / value_scale, aug_dist, aug_values / value_scale)
             loss = loss + cfg.drac_coef * reg
             stats.update(reg_stats)
         if weights:
-            aux_loss, aux_stats = auxiliary_loss(weights, aux, batch)
+            aux_loss, aux_stats = auxiliary_loss(weights, extra, batch)
             loss = loss + aux_loss
             stats.update(aux_stats)
         loss = loss.sum() / n  # the minibatch mean, split over micro-batches
@@ -332,6 +329,19 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     if augment is not None:
         augment.generator.set_state(rng_after)
     return {k: v / n for k, v in sums.items()}
+
+
+def score_micro(policy: ActorCritic, obs: dict[str, torch.Tensor], aug_obs: dict[str, torch.Tensor] | None,
+                actions: torch.Tensor, batch: dict[str, torch.Tensor], weights: dict[str, float]):
+    """One micro-batch's forward pass: ``(logp, entropy, values, extra)``, where ``extra`` is the
+    auxiliary heads' outputs when ``weights`` has any, the DrAC pass's ``(dist, aug_dist,
+    aug_values)`` when ``aug_obs`` is given (the config never combines the two), else None."""
+    if weights:
+        return policy.score_actions_aux(obs, actions, batch.get("prev_actions"))
+    if aug_obs is None:
+        return (*policy.score_actions(obs, actions), None)
+    new_logp, entropy, new_values, dist, aug_dist, aug_values = policy.score_actions_augmented(obs, aug_obs, actions)
+    return new_logp, entropy, new_values, (dist, aug_dist, aug_values)
 
 
 def auxiliary_weights(policy: ActorCritic, cfg: PPOConfig) -> dict[str, float]:

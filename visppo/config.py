@@ -145,7 +145,7 @@ class PPOConfig:
     value_coef: float = 0.5
     """Weight of the value loss."""
     entropy_coef: float = 0.0
-    """Weight of the entropy bonus."""
+    """Weight of the entropy bonus. DMC reacher-easy with 0.01, one seed at 500k: 104 vs 199 over 10 episodes (README): 0."""
     max_grad_norm: float = 0.5
     """Clip the global gradient norm of each optimizer step to this."""
     norm_adv: bool = True
@@ -161,7 +161,7 @@ class PPOConfig:
     adam_eps: float = 1e-5
     """Adam epsilon."""
     augment_loss: bool = False
-    """Every loss of the update reads model.augment's shifted frames, drawn afresh per minibatch (RAD, Laskin et al. 2020); logp_old stays the acting pass's, on the original frames. Not with drac_coef."""
+    """Every loss of the update reads model.augment's shifted frames, drawn afresh per minibatch (RAD, Laskin et al. 2020); logp_old stays the acting pass's, on the original frames. Not with drac_coef. DMC reacher-easy, one seed at 500k: 74 vs 199 over 10 episodes, the fingertip better kept (README): off."""
     drac_coef: float = 0.0
     """DrAC weight of the policy-KL and value regularisers between original and augmented frames (needs model.augment); 0 is off."""
     recon_coef: float = 0.0

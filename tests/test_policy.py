@@ -160,3 +160,56 @@ def test_inverse_dynamics_refuses_discrete_actions():
 
     with pytest.raises(ConfigError, match="model.invdyn"):
         ActorCritic(OBS, gym.spaces.Discrete(3), ModelConfig(invdyn=True))
+
+
+def test_beta_actions_stay_in_the_bounds_and_score_as_a_scaled_beta():
+    torch.manual_seed(0)
+    space = gym.spaces.Box(np.array([-1.0, 0.0], np.float32), np.array([1.0, 4.0], np.float32))
+    pol = ActorCritic(OBS, space, ModelConfig(action_dist="beta"))
+    assert not hasattr(pol, "log_std")
+    obs = _obs(256)
+    action, logp, value = pol.act(obs)
+    low, high = torch.tensor([-1.0, 0.0]), torch.tensor([1.0, 4.0])
+    assert ((action >= low) & (action <= high)).all()
+    assert action[:, 1].max() > 2.0, "the second dimension spans its own bounds, [0, 4]"
+    lp, ent, v = pol.score_actions(obs, action)
+    torch.testing.assert_close(lp, logp)
+    torch.testing.assert_close(v, value)
+    # by hand: concentrations 1 + softplus of the head's two halves; density over the unit
+    # interval divided by the map's slope (2 and 4)
+    out = pol.actor(pol.encoder(obs))
+    c1, c0 = 1 + torch.nn.functional.softplus(out[:, :2]), 1 + torch.nn.functional.softplus(out[:, 2:])
+    unit = (action - low) / (high - low)
+    beta = torch.distributions.Beta(c1, c0)
+    torch.testing.assert_close(lp, (beta.log_prob(unit) - torch.log(high - low)).sum(-1))
+    torch.testing.assert_close(ent, (beta.entropy() + torch.log(high - low)).sum(-1))
+    mean, _, _ = pol.act(obs, deterministic=True)
+    torch.testing.assert_close(mean, low + (high - low) * c1 / (c1 + c0))
+
+
+def test_beta_log_prob_is_finite_at_the_bounds_and_its_gradient_reaches_the_head():
+    torch.manual_seed(0)
+    pol = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(action_dist="beta"))
+    obs = _obs(4)
+    edge = torch.tensor([[-1.0, 1.0], [1.0, -1.0], [0.0, 0.0], [-1.0, -1.0]])
+    lp, ent, _ = pol.score_actions(obs, edge)
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+    lp.sum().backward()
+    assert pol.actor[-1].weight.grad.abs().sum() > 0
+
+
+def test_beta_matches_the_uniform_density_when_both_concentrations_are_one():
+    pol = ActorCritic(OBS, gym.spaces.Box(-2, 2, (3,), np.float32), ModelConfig(action_dist="beta"))
+    with torch.no_grad():  # softplus(-40) ~ 0: Beta(1, 1) is uniform on [-2, 2], density 1/4 per dimension
+        pol.actor[-1].weight.zero_()
+        pol.actor[-1].bias.fill_(-40.0)
+    lp, ent, _ = pol.score_actions(_obs(3), torch.zeros(3, 3))
+    torch.testing.assert_close(lp, torch.full((3,), 3 * np.log(0.25), dtype=torch.float32))
+    torch.testing.assert_close(ent, torch.full((3,), 3 * np.log(4.0), dtype=torch.float32))
+
+
+@pytest.mark.parametrize("space", [gym.spaces.Discrete(3), gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)])
+def test_beta_refuses_discrete_and_unbounded_actions(space):
+    from visppo.config import ConfigError
+    with pytest.raises(ConfigError, match="action_dist"):
+        ActorCritic(OBS, space, ModelConfig(action_dist="beta"))

@@ -20,11 +20,13 @@ def _spaces(state=True, discrete=False):
     return gym.spaces.Dict(spaces), gym.spaces.Discrete(4) if discrete else gym.spaces.Box(-1, 1, (2,), np.float32)
 
 
-def _setup(state=True, discrete=False, T=6, N=4, seed=0, share=True, encoder="nature", recon_size=0, invdyn=False):
+def _setup(state=True, discrete=False, T=6, N=4, seed=0, share=True, encoder="nature", recon_size=0, invdyn=False,
+           action_dist="normal"):
     torch.manual_seed(seed)
     obs_space, act_space = _spaces(state, discrete)
     policy = ActorCritic(obs_space, act_space, ModelConfig(feature_dim=32, hidden_dim=32, share_encoder=share,
-                                                          encoder=encoder, recon_size=recon_size, invdyn=invdyn))
+                                                          encoder=encoder, recon_size=recon_size, invdyn=invdyn,
+                                                          action_dist=action_dist))
     buf = RolloutBuffer(T, N, obs_space, act_space)
     g = torch.Generator().manual_seed(seed)
     buf.obs["pixels"].copy_(torch.randint(0, 256, buf.obs["pixels"].shape, generator=g, dtype=torch.uint8))
@@ -69,11 +71,13 @@ def _grads(policy, buf, mb, micro, cfg):
 
 
 @pytest.mark.parametrize("micro", [1, 4, 5, 7, 20])
-@pytest.mark.parametrize("discrete,share,encoder,recon,invdyn", [
-    (False, True, "nature", 0, False), (True, False, "nature", 0, False), (False, True, "spatial_softmax", 0, False),
-    (False, True, "nature", 8, False), (False, True, "nature", 8, True)])
-def test_accumulated_gradient_equals_full_minibatch_gradient(micro, discrete, share, encoder, recon, invdyn):
-    policy, buf = _setup(discrete=discrete, share=share, encoder=encoder, recon_size=recon, invdyn=invdyn)
+@pytest.mark.parametrize("discrete,share,encoder,recon,invdyn,dist", [
+    (False, True, "nature", 0, False, "normal"), (True, False, "nature", 0, False, "normal"),
+    (False, True, "spatial_softmax", 0, False, "normal"), (False, True, "nature", 8, False, "normal"),
+    (False, True, "nature", 8, True, "normal"), (False, True, "nature", 0, False, "beta")])
+def test_accumulated_gradient_equals_full_minibatch_gradient(micro, discrete, share, encoder, recon, invdyn, dist):
+    policy, buf = _setup(discrete=discrete, share=share, encoder=encoder, recon_size=recon, invdyn=invdyn,
+                         action_dist=dist)
     cfg = PPOConfig(clip_value=True, entropy_coef=0.01, recon_coef=0.5 if recon else 0.0,
                     invdyn_coef=2.0 if invdyn else 0.0)
     mb = torch.randperm(buf.size, generator=torch.Generator().manual_seed(1))[:20]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributions import Categorical, Distribution, Normal, kl_divergence
+from torch.distributions import Beta, Categorical, Distribution, Independent, Normal, kl_divergence
 
 AUGMENTATIONS = ("none", "shift")
 
@@ -99,6 +99,10 @@ def _detached(dist: Distribution) -> Distribution:
         return Categorical(logits=dist.logits.detach(), validate_args=False)
     if isinstance(dist, Normal):
         return Normal(dist.loc.detach(), dist.scale.detach(), validate_args=False)
+    if isinstance(dist, Independent) and isinstance(dist.base_dist, Beta):  # model.action_dist=beta
+        base = dist.base_dist
+        return Independent(Beta(base.concentration1.detach(), base.concentration0.detach(), validate_args=False),
+                           dist.reinterpreted_batch_ndims, validate_args=False)
     raise TypeError(f"DrAC does not support {type(dist).__name__}")
 
 

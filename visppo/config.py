@@ -110,8 +110,10 @@ class ModelConfig:
     """Actor and critic share one encoder; false gives the critic its own (DMC cartpole-swingup at 100k, one seed: return 200 vs 251 at 1.75x the time; README)."""
     detach_actor: bool = False
     """The actor reads the shared encoder's features detached, so only the critic's loss trains the encoder (DrQ-v2's actor); needs share_encoder. DMC at 100k, one seed: finger-spin 0 vs 140-279, cartpole-balance 326 vs 403 (README): off."""
+    action_dist: str = "normal"
+    """normal | beta: the policy's distribution for Box actions. normal: a Gaussian whose samples the env clips to the bounds (its mean can drift beyond them: on DMC reacher-easy with RAD, 67% of steps; README); beta: a Beta per dimension scaled to the bounds (Chou et al. 2017), never clipped; needs finite bounds; no log-std (init_log_std, final_log_std unused)."""
     init_log_std: float = -0.5
-    """Initial log standard deviation of the Gaussian policy (Box actions)."""
+    """Initial log standard deviation of the Gaussian policy (Box actions, action_dist=normal)."""
     norm_value: bool = False
     """The critic learns value targets centred and scaled by their running mean and std (value normalisation); its outputs are mapped back to return units, so GAE is unchanged. Without it, a task whose returns are large and alike (DMC cartpole-balance: ~150 in every state) saturates the critic's tanh layer and leaves a constant value (explained variance 0); with final_log_std=-2.3 it took cartpole-balance from 620 (one seed) to 704 +- 107 at 500k (three seeds: 760, 771, 581; README). Alone on reacher-easy (one seed, 500k): 194 vs 199, though the policy term then drives the encoder (README)."""
     final_log_std: float | None = None
@@ -553,6 +555,10 @@ def _validate_choices(cfg: Config) -> None:
     choice("env.vector", cfg.env.vector, ("sync", "async", "auto"))
     choice("memory.buffer_device", cfg.memory.buffer_device, ("cpu", "device"))
     choice("model.encoder", cfg.model.encoder, ENCODERS)
+    choice("model.action_dist", cfg.model.action_dist, ("normal", "beta"))
+    if cfg.model.action_dist == "beta" and cfg.model.final_log_std is not None:
+        raise ConfigError("model.final_log_std schedules a Gaussian's std, and model.action_dist=beta has none: "
+                          "remove model.final_log_std or set model.action_dist=normal")
     _validate_finetuning(cfg)
     _validate_auxiliary(cfg)
     for key in ("train.device", "rollout.device"):

@@ -1,4 +1,4 @@
-"""ActorCritic: an encoder, a Gaussian or categorical actor, and a value head.
+"""ActorCritic: an encoder, a Gaussian, Beta or categorical actor, and a value head.
 
 Three entry points and nothing else: ``act`` (sample at collection time),
 ``score_actions`` (log-prob, entropy and value of stored actions, for the loss) and
@@ -8,6 +8,12 @@ each sample's error on the auxiliary heads that are on (reconstruction, model.re
 inverse dynamics, model.invdyn). Distributions are built in float32 even under
 autocast: log-probs feed a ratio ``exp(new - old)`` that low precision would
 distort. ``augment`` (a RandomShift, or None) is used by the update only.
+
+Box actions take a Gaussian (``model.action_dist=normal``: unbounded; the env clips, the
+buffer keeps the unclipped sample) or a Beta per dimension (``beta``: its support is the
+action bounds, so no sample is ever clipped and the mean cannot leave them; Chou et al.
+2017). The Beta's actions are stored in env units; log-prob and entropy include the map
+``a = low + (high - low) x`` from the unit interval, so they are densities in env units.
 """
 
 from __future__ import annotations
@@ -17,13 +23,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributions import Categorical, Normal
+from torch.distributions import Beta, Categorical, Distribution, Independent, Normal
 
 from visppo.augment import make_augmentation
 from visppo.config import ConfigError, ModelConfig
 from visppo.encoders import ObsEncoder, load_encoder_weights
 
 Obs = dict[str, torch.Tensor]
+_BETA_EPS = 1e-6  # a float32 Beta sample can be exactly 0 or 1, where its log-density is infinite
 
 
 def _init(layer: nn.Linear, gain: float) -> nn.Linear:
@@ -51,17 +58,22 @@ class ActorCritic(nn.Module):
         self.critic_encoder = None if cfg.share_encoder else encoder()
         self.detach_actor = cfg.detach_actor
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
+        self.beta = cfg.action_dist == "beta"
         if self.discrete:
             act_dim = int(action_space.n)
+            if self.beta:
+                raise ConfigError("model.action_dist=beta needs a continuous (Box) action space: set it to normal")
         elif isinstance(action_space, gym.spaces.Box):
             act_dim = int(np.prod(action_space.shape))
-            # With a schedule (model.final_log_std) the optimizer leaves it alone: schedule_log_std sets it.
-            self.log_std = nn.Parameter(torch.full((act_dim,), float(cfg.init_log_std)),
-                                        requires_grad=cfg.final_log_std is None)
+            if self.beta:
+                self._init_beta_bounds(action_space)
+            else:  # with a schedule (model.final_log_std) the optimizer leaves it alone: schedule_log_std sets it
+                self.log_std = nn.Parameter(torch.full((act_dim,), float(cfg.init_log_std)),
+                                            requires_grad=cfg.final_log_std is None)
         else:
             raise ValueError(f"action space {action_space} is not supported: use Box or Discrete")
         feat = self.encoder.out_dim
-        self.actor = _mlp(feat, cfg.hidden_dim, act_dim, 0.01)
+        self.actor = _mlp(feat, cfg.hidden_dim, 2 * act_dim if self.beta else act_dim, 0.01)
         self.critic = _mlp(feat, cfg.hidden_dim, 1, 1.0)
         self.norm_value = cfg.norm_value
         if cfg.norm_value:  # the value targets' running moments (ppo.update_value_norm), saved with the weights
@@ -80,6 +92,15 @@ class ActorCritic(nn.Module):
             self.invdyn = nn.Sequential(nn.Linear(feat, cfg.hidden_dim), nn.ReLU(), nn.Linear(cfg.hidden_dim, act_dim))
         self.encoder_name = cfg.encoder
         self.augment = make_augmentation(cfg.augment, cfg.shift_pad)  # last: it draws its seed
+
+    def _init_beta_bounds(self, space: gym.spaces.Box) -> None:
+        """The affine map from the Beta's unit interval to the action bounds, as buffers (saved with the weights)."""
+        low, high = space.low.reshape(-1).astype(np.float64), space.high.reshape(-1).astype(np.float64)
+        if not (np.isfinite(low).all() and np.isfinite(high).all() and (high > low).all()):
+            raise ConfigError("model.action_dist=beta needs finite action bounds (low < high): "
+                              "set model.action_dist=normal")
+        self.register_buffer("action_low", torch.as_tensor(low, dtype=torch.float32))
+        self.register_buffer("action_range", torch.as_tensor(high - low, dtype=torch.float32))
 
     def encoders(self) -> list[ObsEncoder]:
         return [self.encoder] + ([self.critic_encoder] if self.critic_encoder is not None else [])
@@ -122,23 +143,42 @@ class ActorCritic(nn.Module):
     def _dist(self, actor_feats: torch.Tensor) -> Normal | Categorical:
         return self._dist_of(self.actor(actor_feats).float())
 
-    def _dist_of(self, out: torch.Tensor) -> Normal | Categorical:
+    def _dist_of(self, out: torch.Tensor) -> Distribution:
+        """Categorical (discrete), a Normal per dimension, or a Beta over the unit interval per dimension
+        as one event (``Independent``), its concentrations ``1 + softplus``: >= 1, so it is unimodal."""
         if self.discrete:
             return Categorical(logits=out, validate_args=False)
+        if self.beta:
+            c1, c0 = (1.0 + F.softplus(out)).chunk(2, dim=-1)
+            return Independent(Beta(c1, c0, validate_args=False), 1, validate_args=False)
         return Normal(out, self.log_std.float().exp().expand_as(out), validate_args=False)
 
-    def _log_prob(self, dist: Normal | Categorical, action: torch.Tensor) -> torch.Tensor:
-        lp = dist.log_prob(action)
-        return lp if self.discrete else lp.sum(-1)
+    def _log_prob(self, dist: Distribution, action: torch.Tensor) -> torch.Tensor:
+        if self.discrete:
+            return dist.log_prob(action)
+        if self.beta:  # the density in env units: the unit interval's, divided by the map's Jacobian
+            unit = ((action.float() - self.action_low) / self.action_range).clamp(_BETA_EPS, 1.0 - _BETA_EPS)
+            return dist.log_prob(unit) - self.action_range.log().sum()
+        return dist.log_prob(action).sum(-1)
+
+    def _entropy(self, dist: Distribution) -> torch.Tensor:
+        if self.discrete:
+            return dist.entropy()
+        if self.beta:
+            return dist.entropy() + self.action_range.log().sum()
+        return dist.entropy().sum(-1)
 
     def act(self, obs: Obs, deterministic: bool = False):
-        """Sample actions (unclipped) with their log-probs and the values, for collection."""
+        """Sample actions (a Gaussian's unclipped) with their log-probs and the values, for collection.
+        Deterministic: the mode of a categorical, the mean of a Gaussian or a Beta."""
         actor_feats, critic_feats, _ = self._features(obs)
         dist = self._dist(actor_feats)
         if deterministic:
             action = dist.probs.argmax(-1) if self.discrete else dist.mean
         else:
             action = dist.sample()
+        if self.beta:
+            action = self.action_low + self.action_range * action
         return action, self._log_prob(dist, action), self._value(critic_feats)
 
     def score_actions(self, obs: Obs, action: torch.Tensor):
@@ -147,8 +187,7 @@ class ActorCritic(nn.Module):
 
     def _scored(self, actor_feats: torch.Tensor, critic_feats: torch.Tensor, action: torch.Tensor):
         dist = self._dist(actor_feats)
-        entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
-        return self._log_prob(dist, action), entropy, self._value(critic_feats)
+        return self._log_prob(dist, action), self._entropy(dist), self._value(critic_feats)
 
     def score_actions_augmented(self, obs: Obs, aug_obs: Obs, action: torch.Tensor):
         """``score_actions`` on ``obs``, plus for the DrAC terms: its distribution, and the distribution and
@@ -161,8 +200,7 @@ class ActorCritic(nn.Module):
         actor_feats, critic_feats, _ = self._features({k: torch.cat([obs[k], aug_obs[k]]) for k in obs})
         out, values = self.actor(actor_feats).float(), self._value(critic_feats)
         dist, aug_dist = self._dist_of(out[:n]), self._dist_of(out[n:])
-        entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
-        return self._log_prob(dist, action), entropy, values[:n], dist, aug_dist, values[n:]
+        return self._log_prob(dist, action), self._entropy(dist), values[:n], dist, aug_dist, values[n:]
 
     def score_actions_aux(self, obs: Obs, action: torch.Tensor, prev_action: torch.Tensor | None = None):
         """``score_actions`` plus each sample's error on the auxiliary heads that are on, all reading

@@ -140,7 +140,7 @@ class ActorCritic(nn.Module):
             return 1.0
         return self.value_var.sqrt().clamp(min=1.0).float()
 
-    def _dist(self, actor_feats: torch.Tensor) -> Normal | Categorical:
+    def _dist(self, actor_feats: torch.Tensor) -> Distribution:
         return self._dist_of(self.actor(actor_feats).float())
 
     def _dist_of(self, out: torch.Tensor) -> Distribution:

@@ -406,3 +406,26 @@ def test_episode_trace_plays_episodes_and_reads_the_distance(tmp_path):
         bad = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
         assert bad.returncode == 2 and bad.stderr.startswith("error:") and needle in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_state_ppo_refuses_an_id_that_is_not_deepmind_control():
+    proc = subprocess.run([sys.executable, str(TOOLS / "state_ppo.py"), "visppo/Reach-v0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error:") and "dmc:" in proc.stderr
+
+
+def test_state_ppo_trains_on_the_suites_state_and_evaluates_full_episodes(tmp_path):
+    pytest.importorskip("dm_control", reason='needs pip install -e ".[dmc]"')
+    out = tmp_path / "state.json"
+    proc = subprocess.run([sys.executable, str(TOOLS / "state_ppo.py"), "dmc:cartpole-balance", "--steps", "512",
+                           "--num-envs", "2", "--num-steps", "128", "--epochs", "2", "--eval-every", "256",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["evaluations"]
+    assert [r["step"] for r in rows] == [256, 512]
+    # cartpole-balance pays at most 1 per frame: a 1000-frame episode returns at most 1000, and an
+    # untrained policy that starts upright still earns a good share of it
+    assert all(100 < r["eval_return"] <= 1000 for r in rows)
+    assert all(len(r["log_std"]) == 1 for r in rows)  # one action dimension: the cart's force
+    assert rows[1]["train_return"] is None  # no 1000-frame episode finishes in 256 steps per env

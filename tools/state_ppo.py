@@ -1,0 +1,225 @@
+"""PPO from the state vector on a DeepMind Control task: is a pixel task's gap the RL or the vision?
+
+    python tools/state_ppo.py dmc:reacher-easy [--steps 500000] [--seed 1] [--lr 3e-4]
+        [--epochs 10] [--num-envs 8] [--num-steps 128] [--minibatch 256] [--init-log-std -0.5]
+        [--eval-every 50000] [--json F]
+
+visppo learns from pixels; when a task does not learn, the question is whether PPO with those
+sizes cannot learn it at all, or cannot learn it *from the frames*. This tool answers the first
+half: the same PPO maths the trainer uses (``visppo.buffer.compute_gae``, ``visppo.ppo.ppo_loss``,
+per-minibatch advantage normalisation, one global gradient clip at 0.5, Adam with eps 1e-5 and a
+learning rate annealed to 0, the time limit bootstrapped from the final state's value) and the
+DMC configs' sizes, with the suite's state vector (flattened in the suite's order) through an
+MLP (two tanh layers of 256, standing in for the CNN's 256 features) in place of the frames.
+The env is the suite's own with the published protocol's action repeat and 1000-frame episodes,
+actions in [-1, 1] scaled to the task's bounds, and nothing rendered (``MUJOCO_GL=disable``), so
+500k agent steps take minutes. It prints one JSON line per evaluation (10 deterministic episodes, seeds 5000-5009, as
+``visppo eval --seed 5000 --deterministic``) and writes them all with ``--json``.
+
+What it leaves out from the pixel learner: frames, frame stacking and the CNN, mixed precision,
+micro-batches, the optional knobs (value normalisation, augmentation, auxiliary losses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ["MUJOCO_GL"] = "disable"  # nothing is rendered; dm_control then loads no GL backend
+
+from envs import dmc  # noqa: E402
+from visppo.buffer import compute_gae  # noqa: E402
+from visppo.ppo import ppo_loss  # noqa: E402
+
+EVAL_SEED = 5000
+"""The first evaluation episode's seed, as ``visppo eval --seed 5000``."""
+
+
+class StateEnv:
+    """A suite task with the pixel envs' protocol (action repeat, 1000 frames, actions in [-1, 1])
+    that returns the flattened state and renders nothing."""
+
+    def __init__(self, env_id: str, seed: int, action_repeat: int) -> None:
+        domain, _, task = dmc.gym_id(env_id)[len(dmc.NAMESPACE) + 1:-len("-v0")].partition("-")
+        self.env = dmc._load(domain, task, {"random": seed})
+        spec = self.env.action_spec()
+        self.low, self.high = spec.minimum, spec.maximum
+        self.action_dim, self.action_repeat = int(spec.shape[0]), action_repeat
+        self.frames, self.episode_return = 0, 0.0
+
+    @staticmethod
+    def _flat(timestep) -> np.ndarray:
+        return np.concatenate([np.asarray(v, np.float64).ravel() for v in timestep.observation.values()]
+                              ).astype(np.float32)
+
+    def reset(self) -> np.ndarray:
+        self.frames, self.episode_return = 0, 0.0
+        return self._flat(self.env.reset())
+
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool]:
+        """``(state, reward summed over the repeat, episode over)``; every suite episode ends by its time limit."""
+        action = self.low + (np.clip(action, -1.0, 1.0) + 1.0) * 0.5 * (self.high - self.low)
+        reward = 0.0
+        for _ in range(self.action_repeat):
+            timestep = self.env.step(action)
+            self.frames += 1
+            reward += float(timestep.reward or 0.0)
+        self.episode_return += reward
+        return self._flat(timestep), reward, self.frames >= dmc.EPISODE_FRAMES
+
+
+def _layer(n_in: int, n_out: int, gain: float) -> nn.Linear:
+    layer = nn.Linear(n_in, n_out)
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+class StatePolicy(nn.Module):
+    """visppo's ActorCritic with an MLP where the CNN was: shared features, one hidden layer per head,
+    the actor's last layer at gain 0.01, a learned state-independent log-std."""
+
+    def __init__(self, obs_dim: int, action_dim: int, hidden: int = 256, init_log_std: float = -0.5) -> None:
+        super().__init__()
+        root2 = 2 ** 0.5
+        self.encoder = nn.Sequential(_layer(obs_dim, hidden, root2), nn.Tanh(), _layer(hidden, hidden, root2), nn.Tanh())
+        self.actor = nn.Sequential(_layer(hidden, hidden, root2), nn.Tanh(), _layer(hidden, action_dim, 0.01))
+        self.critic = nn.Sequential(_layer(hidden, hidden, root2), nn.Tanh(), _layer(hidden, 1, 1.0))
+        self.log_std = nn.Parameter(torch.full((action_dim,), float(init_log_std)))
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.distributions.Normal, torch.Tensor]:
+        features = self.encoder(obs)
+        return torch.distributions.Normal(self.actor(features), self.log_std.exp()), self.critic(features).squeeze(-1)
+
+
+def evaluate(policy: StatePolicy, args: argparse.Namespace, episodes: int = 10) -> list[float]:
+    """Deterministic returns (the Gaussian's mean) of ``episodes`` episodes, seeds 5000, 5001, ..."""
+    returns = []
+    for i in range(episodes):
+        env = StateEnv(args.env_id, EVAL_SEED + i, args.action_repeat)
+        obs, over = env.reset(), False
+        while not over:
+            with torch.no_grad():
+                action = policy(torch.as_tensor(obs[None]))[0].mean[0].numpy()
+            obs, _, over = env.step(action)
+        returns.append(env.episode_return)
+    return returns
+
+
+def collect(policy: StatePolicy, envs: list[StateEnv], obs: np.ndarray, num_steps: int, gamma: float,
+            lam: float, finished: list[float]) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+    """One rollout of ``num_steps`` per env; finished episodes' returns are appended to ``finished``."""
+    T, N = num_steps, len(envs)
+    roll = {k: torch.zeros(T, N) for k in ("logp", "values", "rewards", "truncated", "final_values")}
+    roll["obs"], roll["actions"] = torch.zeros(T, N, obs.shape[1]), torch.zeros(T, N, envs[0].action_dim)
+    for t in range(T):
+        with torch.no_grad():
+            dist, value = policy(torch.as_tensor(obs))
+            action = dist.sample()
+        roll["obs"][t], roll["actions"][t], roll["values"][t] = torch.as_tensor(obs), action, value
+        roll["logp"][t] = dist.log_prob(action).sum(-1)
+        for i, env in enumerate(envs):
+            next_obs, roll["rewards"][t, i], over = env.step(action[i].numpy())
+            if over:  # a time limit: bootstrap from the final state's value, then start the next episode
+                roll["truncated"][t, i] = 1.0
+                with torch.no_grad():
+                    roll["final_values"][t, i] = policy(torch.as_tensor(next_obs[None]))[1][0]
+                finished.append(env.episode_return)
+                next_obs = env.reset()
+            obs[i] = next_obs
+    with torch.no_grad():
+        last_value = policy(torch.as_tensor(obs))[1]
+    roll["advantages"], roll["returns"] = compute_gae(
+        roll["rewards"], roll["values"], last_value, torch.zeros(T, N), roll["truncated"],
+        roll["final_values"], gamma, lam)
+    return roll, obs
+
+
+def update(policy: StatePolicy, optimizer: torch.optim.Optimizer, roll: dict[str, torch.Tensor],
+           args: argparse.Namespace) -> None:
+    """``args.epochs`` passes over the rollout in minibatches, the trainer's loss and clip."""
+    flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in roll.items()}
+    n = flat["logp"].shape[0]
+    for _ in range(args.epochs):
+        for index in torch.randperm(n).split(args.minibatch):
+            dist, values = policy(flat["obs"][index])
+            adv = flat["advantages"][index]
+            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+            loss, _ = ppo_loss(dist.log_prob(flat["actions"][index]).sum(-1), flat["logp"][index], adv,
+                               values, flat["values"][index], flat["returns"][index], dist.entropy().sum(-1),
+                               clip_coef=0.2, clip_value=False, value_coef=0.5, entropy_coef=0.0)
+            optimizer.zero_grad()
+            loss.mean().backward()
+            nn.utils.clip_grad_norm_(policy.parameters(), 0.5)
+            optimizer.step()
+
+
+def train(args: argparse.Namespace) -> list[dict]:
+    """Train and evaluate every ``args.eval_every`` agent steps; returns the evaluation rows."""
+    torch.manual_seed(args.seed)
+    envs = [StateEnv(args.env_id, args.seed * 1000 + i, args.action_repeat) for i in range(args.num_envs)]
+    obs = np.stack([env.reset() for env in envs])
+    policy = StatePolicy(obs.shape[1], envs[0].action_dim, init_log_std=args.init_log_std)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr, eps=1e-5)
+    iterations = max(1, args.steps // (args.num_envs * args.num_steps))
+    finished: list[float] = []
+    rows, next_eval, start = [], args.eval_every, time.perf_counter()
+    for it in range(iterations):
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * (1.0 - it / iterations)
+        roll, obs = collect(policy, envs, obs, args.num_steps, args.gamma, args.gae_lambda, finished)
+        update(policy, optimizer, roll, args)
+        step = (it + 1) * args.num_envs * args.num_steps
+        if step >= next_eval or it == iterations - 1:
+            next_eval += args.eval_every
+            returns = evaluate(policy, args)
+            rows.append({"step": step, "train_return": float(np.mean(finished[-2 * args.num_envs:])) if finished else None,
+                         "eval_return": float(np.mean(returns)), "eval_std": float(np.std(returns)),
+                         "log_std": [round(x, 3) for x in policy.log_std.tolist()],
+                         "minutes": round((time.perf_counter() - start) / 60, 2)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("env_id", help="a DeepMind Control id, e.g. dmc:reacher-easy")
+    p.add_argument("--steps", type=int, default=500_000, help="agent steps")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-4, help="Adam's rate at the start, annealed to 0")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--num-envs", type=int, default=8)
+    p.add_argument("--num-steps", type=int, default=128)
+    p.add_argument("--minibatch", type=int, default=256)
+    p.add_argument("--gamma", type=float, default=0.99)
+    p.add_argument("--gae-lambda", type=float, default=0.95)
+    p.add_argument("--init-log-std", type=float, default=-0.5)
+    p.add_argument("--action-repeat", type=int, default=2)
+    p.add_argument("--eval-every", type=int, default=50_000, help="agent steps between evaluations")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--json", type=Path, help="write the evaluation rows and the arguments here")
+    args = p.parse_args(argv)
+    if not dmc.is_dmc_id(args.env_id):
+        p.exit(2, f"error: {args.env_id!r} is not a DeepMind Control id: give one such as dmc:reacher-easy\n")
+    try:
+        dmc._suite()
+    except dmc.SuiteUnavailable as exc:
+        p.exit(2, f"error: {exc}\n")
+    torch.set_num_threads(args.threads)
+    rows = train(args)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "evaluations": rows},
+                                        indent=1))
+
+
+if __name__ == "__main__":
+    main()

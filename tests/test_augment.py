@@ -90,7 +90,6 @@ def test_drac_loss_is_zero_without_difference_and_pulls_only_the_augmented_side(
     (["model.augment=shift", "ppo.drac_coef=0.1", "model.shift_pad=0"], "model.shift_pad"),
     (["ppo.augment_loss=true"], "model.augment"),
     (["model.augment=shift", "ppo.drac_coef=0.1", "ppo.augment_loss=true"], "ppo.augment_loss"),
-    (["model.augment=shift", "ppo.drac_coef=0.1", "ppo.augment_logp_old=true"], "ppo.augment_logp_old"),
 ])
 def test_augmentation_config_is_checked(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

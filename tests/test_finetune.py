@@ -286,39 +286,6 @@ def test_augment_loss_is_the_ppo_gradient_on_the_minibatchs_shifted_frames():
     assert any(not torch.equal(plain[k], want[k]) for k in want)  # other draws, another gradient
 
 
-def _update_stats(policy, buf, cfg, micro, chunk, seed=3):
-    policy.augment.generator.manual_seed(seed)
-    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3, eps=1e-5)
-    return update_with(policy, optimizer, buf, cfg, micro, chunk, torch.Generator().manual_seed(seed))
-
-
-def test_augment_logp_old_scores_logp_old_on_the_shifts_the_loss_reads():
-    """ppo.augment_logp_old: logp_old is recomputed on the very shifted frames the loss reads, so
-    before the first step the ratio is exactly 1 (approx-KL 0, nothing clipped); RAD without it
-    compares shifted frames against the acting pass's logp_old."""
-    cfg = dict(augment_loss=True, num_epochs=1, minibatch_size=8, entropy_coef=0.01)
-    policy, buf = _setup("nature", 48, T=4, N=2, augment="shift", shift_pad=4)
-    rad = _update_stats(policy, buf, PPOConfig(**cfg), 8, 1024)
-    assert rad.approx_kl > 1e-3  # the buffer's logp_old: noisy acting log-probs, unshifted frames
-    policy, buf = _setup("nature", 48, T=4, N=2, augment="shift", shift_pad=4)
-    acted = buf.logp.clone()
-    fixed = _update_stats(policy, buf, PPOConfig(augment_logp_old=True, **cfg), 8, 1024)
-    assert abs(fixed.approx_kl) < 1e-6 and fixed.clip_frac == 0
-    assert not torch.allclose(buf.logp, acted)  # logp_old is the shifted frames'
-
-
-def test_augment_logp_old_update_does_not_depend_on_micro_batch_or_chunk_size():
-    cfg = PPOConfig(augment_loss=True, augment_logp_old=True, num_epochs=2, minibatch_size=5,
-                    clip_value=True, entropy_coef=0.01)
-    params = []
-    for micro, chunk in ((5, 1024), (2, 3)):
-        policy, buf = _setup("nature", 48, T=4, N=2, augment="shift", shift_pad=4)
-        _update_stats(policy, buf, cfg, micro, chunk)
-        params.append([p.detach().clone() for p in policy.parameters()])
-    for a, b in zip(*params, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
 # --------------------------------------------------------------------------- augmentation: update only
 
 

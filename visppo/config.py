@@ -164,8 +164,6 @@ class PPOConfig:
     """Adam epsilon."""
     augment_loss: bool = False
     """Every loss of the update reads model.augment's shifted frames, drawn afresh per minibatch (RAD, Laskin et al. 2020); logp_old stays the acting pass's, on the original frames. Not with drac_coef. DMC reacher-easy, one seed at 500k: 74 vs 199 over 10 episodes, the fingertip better kept (README): off."""
-    augment_logp_old: bool = False
-    """With augment_loss: each sample keeps one shift for the whole update, and logp_old is recomputed (chunked, by the policy before the update) on those shifted frames, so the PPO ratio compares the policy on the same input and starts at 1 (augment_loss alone compares shifted against unshifted frames: on DMC reacher-easy a clip fraction of 0.21-0.27 against 0.01-0.04). One more no-grad pass over the rollout per iteration."""
     drac_coef: float = 0.0
     """DrAC weight of the policy-KL and value regularisers between original and augmented frames (needs model.augment); 0 is off."""
     recon_coef: float = 0.0
@@ -622,9 +620,6 @@ def _validate_auxiliary(cfg: Config) -> None:
                           "or ppo.augment_loss=true (every loss on the augmented frames)")
     if (cfg.ppo.drac_coef or cfg.ppo.augment_loss) and m.augment == "none":
         raise ConfigError("ppo.drac_coef > 0 and ppo.augment_loss need an augmentation: set model.augment=shift")
-    if cfg.ppo.augment_logp_old and not cfg.ppo.augment_loss:
-        raise ConfigError("ppo.augment_logp_old recomputes logp_old on the shifted frames that ppo.augment_loss "
-                          "trains on: set ppo.augment_loss=true (and model.augment=shift), or drop it")
     if cfg.ppo.drac_coef and cfg.ppo.augment_loss:
         raise ConfigError("ppo.drac_coef and ppo.augment_loss are two uses of model.augment: set one of them "
                           "(ppo.drac_coef=0 or ppo.augment_loss=false)")

@@ -99,14 +99,12 @@ def with_oom_backoff(attempt: Callable[[], T], sizes: MemorySizes, which: str,
 
 @torch.inference_mode()
 def infer(policy: ActorCritic, obs: Obs, actions: torch.Tensor | None, sizes: MemorySizes,
-          device: torch.device, precision: Precision,
-          shifts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+          device: torch.device, precision: Precision) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Values (and log-probs of ``actions`` if given) of flat ``obs``, ``sizes.chunk`` at a time.
 
     Inputs may live on the host; each chunk moves to ``device`` alone, so peak
     memory is one chunk's activations whatever the rollout size. Outputs are
-    float32 on the CPU. ``shifts`` (``[n, 2]`` offsets of ``policy.augment``) scores each
-    sample's shifted frames instead, shifted on the device one chunk at a time.
+    float32 on the CPU.
     """
     n = next(iter(obs.values())).shape[0]
     values = torch.empty(n, dtype=torch.float32)
@@ -115,8 +113,6 @@ def infer(policy: ActorCritic, obs: Obs, actions: torch.Tensor | None, sizes: Me
     def chunk_from(start: int) -> int:
         stop = min(start + sizes.chunk, n)
         chunk = {k: v[start:stop].to(device, non_blocking=device.type == "cuda") for k, v in obs.items()}
-        if shifts is not None:
-            chunk = policy.augment.augment_obs(chunk, shifts[start:stop])
         with precision.autocast():
             if actions is None:
                 values[start:stop] = policy.value(chunk).float().cpu()
@@ -142,18 +138,6 @@ def compute_values(policy: ActorCritic, buffer: RolloutBuffer, setup: UpdateSetu
         buffer.logp.copy_(logp.view(buffer.T, buffer.N))
     last_value, _ = infer(policy, buffer.last_obs, None, setup.sizes, setup.device, setup.precision)
     return last_value
-
-
-def shifted_logp_old(policy: ActorCritic, buffer: RolloutBuffer, setup: UpdateSetup) -> torch.Tensor:
-    """``ppo.augment_logp_old``: draw one shift per rollout sample for the whole update and make
-    ``buffer.logp`` the current (pre-update) policy's log-probs of the taken actions on those shifted
-    frames (chunked), so RAD's ratio compares the policy with itself on the same input. Returns the
-    ``[size, 2]`` shifts, which the update's minibatches then use instead of fresh draws."""
-    shifts = policy.augment.draw(buffer.size)
-    _, logp = infer(policy, buffer.flat_obs(), buffer.flat(buffer.actions), setup.sizes, setup.device,
-                    setup.precision, shifts=shifts)
-    buffer.logp.copy_(logp.view(buffer.T, buffer.N))
-    return shifts
 
 
 def recompute_advantages(policy: ActorCritic, buffer: RolloutBuffer, setup: UpdateSetup) -> None:
@@ -289,8 +273,7 @@ class UpdateResult:
 
 
 def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Tensor,
-                       advantages: torch.Tensor, setup: UpdateSetup,
-                       shifts: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                       advantages: torch.Tensor, setup: UpdateSetup) -> dict[str, torch.Tensor]:
     """Accumulate the gradient of the minibatch ``mb`` into ``.grad``, ``setup.sizes.micro``
     samples per backward; no collective communication.
 
@@ -303,7 +286,6 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     ``ppo.augment_loss`` every loss reads the augmented frames instead (RAD). Either way the
     minibatch's augmentation draws are made before the split, so micro-batching does not
     change them, and committed at the end, so a retry after an OOM draws the same ones.
-    ``shifts`` (the update's per-sample shifts, ``ppo.augment_logp_old``) replaces the draws.
 
     Auxiliary heads that are on add their weighted per-sample errors (``auxiliary_loss``).
     """
@@ -315,8 +297,7 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     weights = auxiliary_weights(policy, cfg)
     if "invdyn_loss" in weights and buffer.prev_actions is None:
         raise RuntimeError("model.invdyn: call buffer.fill_previous_actions() before the update's passes")
-    draws, rng_after = (shifts[mb] if shifts is not None else None), None
-    if augment is not None and draws is None:
+    if augment is not None:
         draws, rng_after = augment.draw_ahead(n)
     sums: dict[str, torch.Tensor] = {}
     offset = 0
@@ -345,7 +326,7 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
         for k, v in stats.items():
             sums[k] = sums.get(k, 0.0) + v.sum().float()
         offset = stop
-    if rng_after is not None:
+    if augment is not None:
         augment.generator.set_state(rng_after)
     return {k: v / n for k, v in sums.items()}
 
@@ -389,7 +370,7 @@ def auxiliary_loss(weights: dict[str, float], aux: dict[str, torch.Tensor],
 
 def reduced_minibatch_gradient(policy: ActorCritic, optimizer: torch.optim.Optimizer,
                                buffer: RolloutBuffer, mb: torch.Tensor, advantages: torch.Tensor,
-                               setup: UpdateSetup, shifts: torch.Tensor | None = None) -> dict[str, float]:
+                               setup: UpdateSetup) -> dict[str, float]:
     """The minibatch's gradient in ``.grad`` and its statistics, averaged over the ranks when
     ``setup.across_ranks``; backs off on out-of-memory (on every rank at once)."""
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -399,7 +380,7 @@ def reduced_minibatch_gradient(policy: ActorCritic, optimizer: torch.optim.Optim
     def attempt() -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
         try:
-            means = minibatch_gradient(policy, buffer, mb, advantages, setup, shifts)
+            means = minibatch_gradient(policy, buffer, mb, advantages, setup)
             failed = False
         except Exception as exc:
             if not (setup.across_ranks and is_oom(exc)):
@@ -449,7 +430,6 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
         update_value_norm(policy, buffer.returns, setup.across_ranks)
     if "invdyn_loss" in auxiliary_weights(policy, cfg):
         buffer.fill_previous_actions()
-    shifts = shifted_logp_old(policy, buffer, setup) if cfg.augment_loss and cfg.augment_logp_old else None
     params = [p for p in policy.parameters() if p.requires_grad]
     result, totals = UpdateResult(), {}
     for epoch in range(cfg.num_epochs):
@@ -458,7 +438,7 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
         advantages = buffer.flat(buffer.advantages)
         for mb in minibatches(buffer.size, cfg.minibatch_size, setup.generator):
             adv = normalize_advantages(advantages[mb], setup.across_ranks) if cfg.norm_adv else advantages[mb]
-            means = reduced_minibatch_gradient(policy, optimizer, buffer, mb, adv, setup, shifts)
+            means = reduced_minibatch_gradient(policy, optimizer, buffer, mb, adv, setup)
             if cfg.target_kl and means["approx_kl"] > 1.5 * cfg.target_kl:
                 optimizer.zero_grad(set_to_none=True)
                 result.stop_kl = means["approx_kl"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -413,6 +414,34 @@ def test_state_ppo_refuses_an_id_that_is_not_deepmind_control():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error:") and "dmc:" in proc.stderr
+
+
+STATE_SWAP = """
+import runpy, numpy as np
+m = runpy.run_path("tools/state_ppo.py", run_name="state_ppo")
+swapped, full = m["StateEnv"]("dmc:reacher-easy", 3, 2, ("to_target",), ("target",)), m["StateEnv"]("dmc:reacher-easy", 3, 2)
+s, f = swapped.reset(), full.reset()
+xpos = swapped.env.physics.named.data.geom_xpos
+assert s.shape == (7,) and f.shape == (6,), (s.shape, f.shape)
+assert np.allclose(s[:2], f[:2]) and np.allclose(s[2:4], f[4:6])  # joint angles, velocities kept
+assert np.allclose(s[4:], xpos["target"]) and np.abs(s[4:6]).max() > 0.04  # the target where a camera sees it
+assert np.allclose(f[2:4], (xpos["target"] - xpos["finger"])[:2], atol=1e-5)  # what --drop took away
+print("ok")
+"""
+
+
+def test_state_ppo_can_swap_the_target_vector_for_the_targets_world_position():
+    """--drop to_target --add-geom target: reacher's state then holds what the frames hold (the target's
+    position, the arm's angles), not the fingertip-to-target difference; unknown names are refused."""
+    pytest.importorskip("dm_control", reason='needs pip install -e ".[dmc]"')
+    env = {**os.environ, "MUJOCO_GL": "disable"}
+    proc = subprocess.run([sys.executable, "-c", STATE_SWAP], capture_output=True, text=True, timeout=300,
+                          cwd=TOOLS.parent, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    for flag, name in (("--drop", "to_targt"), ("--add-geom", "fingertip")):
+        bad = subprocess.run([sys.executable, str(TOOLS / "state_ppo.py"), "dmc:reacher-easy", flag, name],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert bad.returncode == 2 and bad.stderr.startswith("error:") and repr(name) in bad.stderr, bad.stderr
 
 
 def test_state_ppo_trains_on_the_suites_state_and_evaluates_full_episodes(tmp_path):

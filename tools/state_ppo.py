@@ -2,7 +2,7 @@
 
     python tools/state_ppo.py dmc:reacher-easy [--steps 500000] [--seed 1] [--lr 3e-4]
         [--epochs 10] [--num-envs 8] [--num-steps 128] [--minibatch 256] [--init-log-std -0.5]
-        [--eval-every 50000] [--json F]
+        [--eval-every 50000] [--drop KEY ...] [--add-geom NAME ...] [--json F]
 
 visppo learns from pixels; when a task does not learn, the question is whether PPO with those
 sizes cannot learn it at all, or cannot learn it *from the frames*. This tool answers the first
@@ -15,6 +15,11 @@ The env is the suite's own with the published protocol's action repeat and 1000-
 actions in [-1, 1] scaled to the task's bounds, and nothing rendered (``MUJOCO_GL=disable``), so
 500k agent steps take minutes. It prints one JSON line per evaluation (10 deterministic episodes, seeds 5000-5009, as
 ``visppo eval --seed 5000 --deterministic``) and writes them all with ``--json``.
+
+``--drop`` and ``--add-geom`` change what the state tells, to ask which part of it a camera's
+frames make hard: ``--drop to_target --add-geom target`` gives reacher the target's position in
+the world (what the frames show) instead of the fingertip-to-target vector, so the network must
+work out the difference from the joint angles itself, as a pixel encoder must.
 
 What it leaves out from the pixel learner: frames, frame stacking and the CNN, mixed precision,
 micro-batches, the optional knobs (value normalisation, augmentation, auxiliary losses).
@@ -48,18 +53,26 @@ class StateEnv:
     """A suite task with the pixel envs' protocol (action repeat, 1000 frames, actions in [-1, 1])
     that returns the flattened state and renders nothing."""
 
-    def __init__(self, env_id: str, seed: int, action_repeat: int) -> None:
+    def __init__(self, env_id: str, seed: int, action_repeat: int, drop: tuple[str, ...] = (),
+                 geoms: tuple[str, ...] = ()) -> None:
         domain, _, task = dmc.gym_id(env_id)[len(dmc.NAMESPACE) + 1:-len("-v0")].partition("-")
         self.env = dmc._load(domain, task, {"random": seed})
+        self.drop, self.geoms = tuple(drop), tuple(geoms)
+        keys, names = self.env.observation_spec().keys(), self.env.physics.named.data.geom_xpos.axes.row.names
+        for what, asked, have in (("--drop: observation", self.drop, keys), ("--add-geom: geom", self.geoms, names)):
+            unknown = [a for a in asked if a not in have]
+            if unknown:
+                raise ValueError(f"{what} {unknown[0]!r} not in {domain}-{task}: use one of {', '.join(have)}")
         spec = self.env.action_spec()
         self.low, self.high = spec.minimum, spec.maximum
         self.action_dim, self.action_repeat = int(spec.shape[0]), action_repeat
         self.frames, self.episode_return = 0, 0.0
 
-    @staticmethod
-    def _flat(timestep) -> np.ndarray:
-        return np.concatenate([np.asarray(v, np.float64).ravel() for v in timestep.observation.values()]
-                              ).astype(np.float32)
+    def _flat(self, timestep) -> np.ndarray:
+        """The suite's observation in its order, less ``drop``, then each of ``geoms``' world position."""
+        parts = [np.asarray(v, np.float64).ravel() for k, v in timestep.observation.items() if k not in self.drop]
+        parts += [np.array(self.env.physics.named.data.geom_xpos[name], np.float64) for name in self.geoms]
+        return np.concatenate(parts).astype(np.float32)
 
     def reset(self) -> np.ndarray:
         self.frames, self.episode_return = 0, 0.0
@@ -105,7 +118,7 @@ def evaluate(policy: StatePolicy, args: argparse.Namespace, episodes: int = 10) 
     """Deterministic returns (the Gaussian's mean) of ``episodes`` episodes, seeds 5000, 5001, ..."""
     returns = []
     for i in range(episodes):
-        env = StateEnv(args.env_id, EVAL_SEED + i, args.action_repeat)
+        env = StateEnv(args.env_id, EVAL_SEED + i, args.action_repeat, args.drop, args.add_geom)
         obs, over = env.reset(), False
         while not over:
             with torch.no_grad():
@@ -166,7 +179,8 @@ def update(policy: StatePolicy, optimizer: torch.optim.Optimizer, roll: dict[str
 def train(args: argparse.Namespace) -> list[dict]:
     """Train and evaluate every ``args.eval_every`` agent steps; returns the evaluation rows."""
     torch.manual_seed(args.seed)
-    envs = [StateEnv(args.env_id, args.seed * 1000 + i, args.action_repeat) for i in range(args.num_envs)]
+    envs = [StateEnv(args.env_id, args.seed * 1000 + i, args.action_repeat, args.drop, args.add_geom)
+            for i in range(args.num_envs)]
     obs = np.stack([env.reset() for env in envs])
     policy = StatePolicy(obs.shape[1], envs[0].action_dim, init_log_std=args.init_log_std)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr, eps=1e-5)
@@ -206,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--action-repeat", type=int, default=2)
     p.add_argument("--eval-every", type=int, default=50_000, help="agent steps between evaluations")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--drop", nargs="+", default=(), metavar="KEY", help="leave these observation entries out")
+    p.add_argument("--add-geom", nargs="+", default=(), metavar="NAME",
+                   help="add these geoms' world positions (x, y, z) to the state")
     p.add_argument("--json", type=Path, help="write the evaluation rows and the arguments here")
     args = p.parse_args(argv)
     if not dmc.is_dmc_id(args.env_id):
@@ -213,6 +230,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         dmc._suite()
     except dmc.SuiteUnavailable as exc:
+        p.exit(2, f"error: {exc}\n")
+    try:
+        StateEnv(args.env_id, 0, args.action_repeat, args.drop, args.add_geom)
+    except ValueError as exc:
         p.exit(2, f"error: {exc}\n")
     torch.set_num_threads(args.threads)
     rows = train(args)

@@ -141,9 +141,9 @@ class PPOConfig:
     gae_lambda: float = 0.95
     """GAE lambda: 0 is one-step TD, 1 is Monte Carlo (CleanRL's 0.95). 0.99 on DMC reacher-easy, one seed, 500k: 62 vs 199 over 10 episodes, training return below the shipped seeds' throughout (README)."""
     clip_coef: float = 0.2
-    """PPO ratio clipping range."""
+    """PPO ratio clipping range (CleanRL's 0.2). 0.1 on DMC cartpole-swingup at 100k, 3 seeds: 269 +- 143 vs 245 +- 62, slower in training (README): 0.2."""
     clip_value: bool = False
-    """Clip the value update around the old values with clip_coef."""
+    """Clip the value update around the old values with clip_coef (CleanRL has it on). DMC cartpole-swingup at 100k, 3 seeds: 183 +- 41 vs 245 +- 62, the critic's explained variance lower (README): off."""
     value_coef: float = 0.5
     """Weight of the value loss."""
     entropy_coef: float = 0.0

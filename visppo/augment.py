@@ -16,8 +16,9 @@ augmented frame.
 
 ``ppo.augment_loss`` is the other use, RAD's (Laskin et al. 2020): every loss reads the
 shifted frames, drawn afresh per minibatch, against the ``logp_old`` of the frames the
-policy acted on. Unsound in the way above, and cheap (no second pass); measured, not assumed.
-The denominator must stay the acting pass's: it is the probability the action was drawn with.
+policy acted on: the ratio then mixes two inputs, as above, so its clipping also measures
+how far a shift moves the policy. Cheap (no second pass); measured, not assumed. The
+denominator must stay the acting pass's, the probability the action was drawn with.
 Recomputing it on the shifted frames (tried 2026-11-27, README) starts the ratio at 1 but
 weights actions drawn on the plain frames as if drawn on the shifted ones, and the update
 diverged (approx-KL above 1e5 by 100k steps on DMC reacher-easy).

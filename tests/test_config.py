@@ -114,6 +114,10 @@ def test_a_removed_key_is_refused_with_what_happened_to_it(tmp_path):
     (["model.invdyn=true", "ppo.invdyn_coef=-1"], "ppo.invdyn_coef"),
     (["model.invdyn=true", "ppo.invdyn_coef=1", "model.augment=shift", "ppo.drac_coef=0.1"], "ppo.drac_coef"),
     (["model.invdyn=true", "ppo.invdyn_coef=1", "env.frame_stack=1"], "env.frame_stack"),
+    (["model.reward_head=true"], "ppo.reward_coef"),
+    (["ppo.reward_coef=1.0"], "model.reward_head"),
+    (["model.reward_head=true", "ppo.reward_coef=-1"], "ppo.reward_coef"),
+    (["model.reward_head=true", "ppo.reward_coef=1", "model.augment=shift", "ppo.drac_coef=0.1"], "ppo.drac_coef"),
 ])
 def test_auxiliary_loss_config_is_checked(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

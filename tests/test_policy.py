@@ -146,6 +146,35 @@ def test_inverse_dynamics_error_is_the_heads_squared_error_on_the_previous_actio
     assert ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig()).invdyn is None
 
 
+def test_reward_error_is_the_heads_squared_error_on_the_previous_reward():
+    torch.manual_seed(0)
+    pol = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(reward_head=True))
+    obs, action, prev_r = _obs(), torch.randn(6, 2), torch.rand(6) * 2
+    lp, ent, v, errors = pol.score_actions_aux(obs, action, None, prev_r)
+    for got, want in zip((lp, ent, v), pol.score_actions(obs, action)):
+        torch.testing.assert_close(got, want)
+    assert errors.keys() == {"reward_loss"} and pol.invdyn is None
+    torch.testing.assert_close(errors["reward_loss"], (pol.reward_head(pol.encoder(obs)).squeeze(-1) - prev_r).square())
+    assert pol.score_actions_aux(obs, action)[3] == {}  # no previous rewards given: no term
+    assert ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig()).reward_head is None
+
+
+def test_reward_head_fits_a_reward_the_frames_determine():
+    """The head learns a reward that is a function of the pixels (the mean brightness of one
+    corner), so the loss does train it and the encoder under it."""
+    torch.manual_seed(0)
+    pol = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(reward_head=True))
+    obs = _obs(64)
+    reward = (obs["pixels"][:, :, :4, :4].float().mean((1, 2, 3)) > 127).float()
+    opt = torch.optim.Adam(pol.parameters(), lr=1e-3)
+    first = float(pol.score_actions_aux(obs, torch.zeros(64, 2), None, reward)[3]["reward_loss"].mean())
+    for _ in range(200):
+        opt.zero_grad()
+        pol.score_actions_aux(obs, torch.zeros(64, 2), None, reward)[3]["reward_loss"].mean().backward()
+        opt.step()
+    assert float(pol.score_actions_aux(obs, torch.zeros(64, 2), None, reward)[3]["reward_loss"].mean()) < 0.2 * first
+
+
 def test_inverse_dynamics_trains_the_encoder_even_with_a_detached_actor():
     torch.manual_seed(0)
     pol = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(invdyn=True, detach_actor=True))

@@ -251,6 +251,7 @@ def test_grad_share_measures_a_run_whose_log_std_is_scheduled_not_learned(tmp_pa
     ("recon", {"model.recon_size": 8, "ppo.recon_coef": 1.0}, "decoder", "reconstruction term"),
     ("invdyn", {"model.invdyn": True, "ppo.invdyn_coef": 1.0, "env.frame_stack": 2}, "inverse-dynamics head",
      "inverse-dynamics term"),
+    ("reward", {"model.reward_head": True, "ppo.reward_coef": 1.0}, "reward head", "reward-prediction term"),
 ])
 def test_grad_share_measures_an_auxiliary_term_where_it_flows(tmp_path, term, overrides, head, title):
     """With an auxiliary loss on, a tiny run trains (its metrics log the term) and reloads, and the

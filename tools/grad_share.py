@@ -13,7 +13,8 @@ median norm of each over the parameter groups (the actor's encoder, the critic's
 it has its own, the actor head with the log-std, the critic head), the cosine between the two
 on each encoder, and the median clip factor ``min(1, max_grad_norm / |total gradient|)``.
 Each auxiliary loss that is on (reconstruction: ``model.recon_size``, ``ppo.recon_coef``;
-inverse dynamics: ``model.invdyn``, ``ppo.invdyn_coef``) adds a column with its term's gradient
+inverse dynamics: ``model.invdyn``, ``ppo.invdyn_coef``;
+reward prediction: ``model.reward_head``, ``ppo.reward_coef``) adds a column with its term's gradient
 (part of the total); their heads are groups of their own.
 
 It reads the training code's own pieces (``ppo_loss``, ``normalize_advantages``,
@@ -43,12 +44,13 @@ def parameter_groups(policy) -> dict[str, list[torch.nn.Parameter]]:
         "critic head": list(policy.critic.parameters()),
         "decoder": list(policy.decoder.parameters()) if policy.decoder is not None else [],
         "inverse-dynamics head": list(policy.invdyn.parameters()) if policy.invdyn is not None else [],
+        "reward head": list(policy.reward_head.parameters()) if policy.reward_head is not None else [],
     }
     trained = {name: [q for q in qs if q.requires_grad] for name, qs in groups.items()}
     return {name: qs for name, qs in trained.items() if qs}
 
 
-AUX_TERMS = {"recon": "reconstruction term", "invdyn": "inverse-dynamics term"}
+AUX_TERMS = {"recon": "reconstruction term", "invdyn": "inverse-dynamics term", "reward": "reward-prediction term"}
 """The auxiliary losses' short names (the training metrics call them ``<name>_loss``) and column titles."""
 
 
@@ -98,7 +100,7 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
     sizes = [sum(q.numel() for q in qs) for qs in groups.values()]
     per_mb: list[dict[str, float]] = []
     coefs = {name.removesuffix("_loss"): w for name, w in auxiliary_weights(policy, p).items()}
-    if "invdyn" in coefs:
+    if "invdyn" in coefs or "reward" in coefs:
         buffer.fill_previous_actions()
     advantages = buffer.flat(buffer.advantages)
     for mb in minibatch_indices(buffer.size, p.minibatch_size, generator)[:minibatches]:
@@ -108,7 +110,8 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
         if p.augment_loss:  # the losses read shifted frames, as the update's do
             obs = policy.augment.augment_obs(obs, policy.augment.draw(len(mb)))
         if coefs:
-            logp, entropy, values, aux = policy.score_actions_aux(obs, batch["actions"], batch.get("prev_actions"))
+            logp, entropy, values, aux = policy.score_actions_aux(obs, batch["actions"], batch.get("prev_actions"),
+                                                                batch.get("prev_rewards"))
             aux = auxiliary_errors(aux, batch)
         else:
             logp, entropy, values = policy.score_actions(obs, batch["actions"])

@@ -100,6 +100,8 @@ class ModelConfig:
     """0: off. N: a decoder (an MLP) reconstructs the stacked frames, average-pooled to NxN, from the actor encoder's features, an auxiliary loss (ppo.recon_coef) that keeps in the features what the RL losses would discard (SAC-AE, Yarats et al. 2019). DMC reacher-easy, 4 epochs, one seed, 500k: with 21 and recon_coef 1.0 the encoder kept the arm (tools/feature_probe.py) but the return fell, 28 vs 210 (README): off."""
     invdyn: bool = False
     """An inverse-dynamics head (an MLP) predicts, from the actor encoder's features of the stacked frames, the action taken just before the newest frame (it moved the robot between the last two frames): an auxiliary loss (ppo.invdyn_coef) that makes the encoder keep what the agent's actions move, its own body, which reward-driven features can drop (DMC reacher-easy's encoder holds the target but not the fingertip, tools/feature_probe.py). There, with norm_value and invdyn_coef 1.0 (one seed, 500k), the encoder kept the fingertip (R^2 0.67, 0.62 vs 0.29, 0.24) and lost the target; return 217 vs 194 over 10 episodes (README): off. Continuous actions only; needs env.frame_stack >= 2."""
+    reward_head: bool = False
+    """A reward head (an MLP) predicts, from the actor encoder's features of the stacked frames, the reward the step into the newest frame earned: an auxiliary loss (ppo.reward_coef) that makes the encoder keep what the reward is a function of, UNREAL's reward prediction (Jaderberg et al. 2016) without its rebalancing. For tasks whose reward depends on a relation the RL losses learn slowly, as DMC reacher-easy's sparse reward on the fingertip-to-target distance (the encoder holds the target and not the fingertip, tools/feature_probe.py). Off until measured."""
     feature_dim: int = 256
     """Width of the encoder's output features."""
     hidden_dim: int = 256
@@ -170,6 +172,8 @@ class PPOConfig:
     """Weight of the reconstruction loss (each sample's squared error summed over its pooled frames, pixels in [0, 1]; needs model.recon_size); 0 is off."""
     invdyn_coef: float = 0.0
     """Weight of the inverse-dynamics loss (each sample's squared error between the predicted and the executed previous action, summed over action dimensions; samples with no previous action in their episode count 0; needs model.invdyn); 0 is off."""
+    reward_coef: float = 0.0
+    """Weight of the reward-prediction loss (each sample's squared error between the predicted and the previous step's reward, as the buffer holds it: scaled with norm_reward; samples with no previous step in their episode count 0; needs model.reward_head). The reward's scale sets it: beside the value loss in return units it needs far more weight than beside model.norm_value's standardised one. 0 is off."""
 
 
 @dataclass
@@ -638,8 +642,13 @@ def _validate_auxiliary(cfg: Config) -> None:
     if m.invdyn != bool(cfg.ppo.invdyn_coef):
         raise ConfigError("model.invdyn and ppo.invdyn_coef go together: set both (e.g. model.invdyn=true "
                           "ppo.invdyn_coef=1.0) or neither")
-    if m.invdyn and cfg.ppo.drac_coef:
-        raise ConfigError("model.invdyn and ppo.drac_coef cannot be combined yet: set one of them to 0")
+    if cfg.ppo.reward_coef < 0:
+        raise ConfigError(f"ppo.reward_coef must be >= 0, got {cfg.ppo.reward_coef}")
+    if m.reward_head != bool(cfg.ppo.reward_coef):
+        raise ConfigError("model.reward_head and ppo.reward_coef go together: set both (e.g. model.reward_head=true "
+                          "ppo.reward_coef=1.0) or neither")
+    if (m.invdyn or m.reward_head) and cfg.ppo.drac_coef:
+        raise ConfigError("model.invdyn/model.reward_head and ppo.drac_coef cannot be combined yet: set one of them to 0")
     if m.invdyn and cfg.env.frame_stack < 2:
         raise ConfigError(f"model.invdyn needs env.frame_stack >= 2 (the motion the previous action caused), "
                           f"got {cfg.env.frame_stack}")

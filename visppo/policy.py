@@ -5,7 +5,7 @@ Three entry points and nothing else: ``act`` (sample at collection time),
 ``value`` (for bootstrapping); ``score_actions_augmented`` is ``score_actions`` plus
 what the DrAC terms of the update need, and ``score_actions_aux`` is ``score_actions`` plus
 each sample's error on the auxiliary heads that are on (reconstruction, model.recon_size;
-inverse dynamics, model.invdyn). Distributions are built in float32 even under
+inverse dynamics, model.invdyn; reward prediction, model.reward_head). Distributions are built in float32 even under
 autocast: log-probs feed a ratio ``exp(new - old)`` that low precision would
 distort. ``augment`` (a RandomShift, or None) is used by the update only.
 
@@ -90,6 +90,9 @@ class ActorCritic(nn.Module):
             if self.discrete:
                 raise ConfigError("model.invdyn needs a continuous (Box) action space: set it to false")
             self.invdyn = nn.Sequential(nn.Linear(feat, cfg.hidden_dim), nn.ReLU(), nn.Linear(cfg.hidden_dim, act_dim))
+        self.reward_head = None
+        if cfg.reward_head:  # an auxiliary head: the update only; never acts
+            self.reward_head = nn.Sequential(nn.Linear(feat, cfg.hidden_dim), nn.ReLU(), nn.Linear(cfg.hidden_dim, 1))
         self.encoder_name = cfg.encoder
         self.augment = make_augmentation(cfg.augment, cfg.shift_pad)  # last: it draws its seed
 
@@ -202,7 +205,8 @@ class ActorCritic(nn.Module):
         dist, aug_dist = self._dist_of(out[:n]), self._dist_of(out[n:])
         return self._log_prob(dist, action), self._entropy(dist), values[:n], dist, aug_dist, values[n:]
 
-    def score_actions_aux(self, obs: Obs, action: torch.Tensor, prev_action: torch.Tensor | None = None):
+    def score_actions_aux(self, obs: Obs, action: torch.Tensor, prev_action: torch.Tensor | None = None,
+                          prev_reward: torch.Tensor | None = None):
         """``score_actions`` plus each sample's error on the auxiliary heads that are on, all reading
         the actor encoder's features (not detached, even with detach_actor), in float32:
         ``recon_loss``: the decoder predicts the stacked frames average-pooled to model.recon_size, in
@@ -210,6 +214,8 @@ class ActorCritic(nn.Module):
         on the shared encoder must not vanish beside the value loss's, which is in return units).
         ``invdyn_loss`` (given ``prev_action``): the inverse-dynamics head predicts the action executed
         just before the newest frame; the squared difference summed over action dimensions.
+        ``reward_loss`` (given ``prev_reward``): the reward head predicts the reward the step into the
+        newest frame earned; the squared difference.
         Returns ``(logp, entropy, value, {name: per-sample error})``."""
         target = None
         if self.decoder is not None:  # first: the frames' float copy is freed before the encoder's activations exist
@@ -225,6 +231,10 @@ class ActorCritic(nn.Module):
             predicted = self.invdyn(feats).float()
             with torch.autocast(predicted.device.type, enabled=False):
                 errors["invdyn_loss"] = (predicted - prev_action.float()).square().sum(1)
+        if self.reward_head is not None and prev_reward is not None:
+            predicted = self.reward_head(feats).float().squeeze(-1)
+            with torch.autocast(predicted.device.type, enabled=False):
+                errors["reward_loss"] = (predicted - prev_reward.float()).square()
         return (*self._scored(actor_feats, critic_feats, action), errors)
 
     def value(self, obs: Obs) -> torch.Tensor:

@@ -52,7 +52,7 @@ T = TypeVar("T")
 STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac")
 """Per-minibatch statistics of the PPO loss (means over the minibatch)."""
 DRAC_STATS = ("drac_policy", "drac_value")
-AUX_STATS = ("recon_loss", "invdyn_loss")
+AUX_STATS = ("recon_loss", "invdyn_loss", "reward_loss")
 """The auxiliary losses' per-sample errors (``ActorCritic.score_actions_aux``), by stat name."""
 
 # --------------------------------------------------------------------------- memory sizes, OOM back-off
@@ -254,6 +254,9 @@ class UpdateResult:
     invdyn_loss: float = math.nan
     """Mean inverse-dynamics error over all samples, those with no previous action counting 0
     (model.invdyn; NaN when off)."""
+    reward_loss: float = math.nan
+    """Mean reward-prediction error over all samples, those with no previous step counting 0
+    (model.reward_head; NaN when off)."""
     stop_kl: float = math.nan
     """The approx-KL of the minibatch that stopped the update early (NaN: no early stop)."""
     optimizer_steps: int = 0
@@ -295,8 +298,8 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     value_scale = policy.value_scale()
     augment = policy.augment if (cfg.drac_coef or cfg.augment_loss) else None
     weights = auxiliary_weights(policy, cfg)
-    if "invdyn_loss" in weights and buffer.prev_actions is None:
-        raise RuntimeError("model.invdyn: call buffer.fill_previous_actions() before the update's passes")
+    if needs_previous_step(weights) and buffer.prev_actions is None:
+        raise RuntimeError("model.invdyn/reward_head: call buffer.fill_previous_actions() before the update's passes")
     if augment is not None:
         draws, rng_after = augment.draw_ahead(n)
     sums: dict[str, torch.Tensor] = {}
@@ -337,7 +340,7 @@ def score_micro(policy: ActorCritic, obs: dict[str, torch.Tensor], aug_obs: dict
     auxiliary heads' outputs when ``weights`` has any, the DrAC pass's ``(dist, aug_dist,
     aug_values)`` when ``aug_obs`` is given (the config never combines the two), else None."""
     if weights:
-        return policy.score_actions_aux(obs, actions, batch.get("prev_actions"))
+        return policy.score_actions_aux(obs, actions, batch.get("prev_actions"), batch.get("prev_rewards"))
     if aug_obs is None:
         return (*policy.score_actions(obs, actions), None)
     new_logp, entropy, new_values, dist, aug_dist, aug_values = policy.score_actions_augmented(obs, aug_obs, actions)
@@ -348,15 +351,23 @@ def auxiliary_weights(policy: ActorCritic, cfg: PPOConfig) -> dict[str, float]:
     """The auxiliary losses that are on (their head exists and their weight is above 0), by stat
     name, with their weights: what the update, the memory probe and tools/grad_share.py include."""
     weights = {"recon_loss": cfg.recon_coef if policy.decoder is not None else 0.0,
-               "invdyn_loss": cfg.invdyn_coef if policy.invdyn is not None else 0.0}
+               "invdyn_loss": cfg.invdyn_coef if policy.invdyn is not None else 0.0,
+               "reward_loss": cfg.reward_coef if policy.reward_head is not None else 0.0}
     return {name: w for name, w in weights.items() if w > 0}
 
 
+def needs_previous_step(weights: dict[str, float]) -> bool:
+    """Whether an auxiliary loss that is on reads the step before each sample (the buffer's
+    ``fill_previous_actions``): inverse dynamics and reward prediction."""
+    return "invdyn_loss" in weights or "reward_loss" in weights
+
+
 def auxiliary_errors(aux: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``score_actions_aux``'s per-sample errors as the loss counts them: the inverse-dynamics one is 0
-    where the sample has no previous action in its episode."""
-    if "invdyn_loss" in aux:
-        aux = {**aux, "invdyn_loss": aux["invdyn_loss"] * batch["prev_valid"]}
+    """``score_actions_aux``'s per-sample errors as the loss counts them: the inverse-dynamics and
+    reward-prediction ones are 0 where the sample has no previous step in its episode."""
+    for name in ("invdyn_loss", "reward_loss"):
+        if name in aux:
+            aux = {**aux, name: aux[name] * batch["prev_valid"]}
     return aux
 
 
@@ -428,7 +439,7 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
     cfg = setup.ppo
     if policy.norm_value:
         update_value_norm(policy, buffer.returns, setup.across_ranks)
-    if "invdyn_loss" in auxiliary_weights(policy, cfg):
+    if needs_previous_step(auxiliary_weights(policy, cfg)):
         buffer.fill_previous_actions()
     params = [p for p in policy.parameters() if p.requires_grad]
     result, totals = UpdateResult(), {}

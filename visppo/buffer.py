@@ -162,7 +162,8 @@ class RolloutBuffer:
             """What the env clips the policy's (unclipped, stored) actions to."""
         self.prev_actions: torch.Tensor | None = None
         """``[T, N, ...]`` with ``prev_valid``: set by ``fill_previous_actions`` for an update that
-        needs each sample's previous action (model.invdyn); ``gather`` then carries them."""
+        needs each sample's previous action or reward (model.invdyn, model.reward_head); ``gather``
+        then carries them."""
         self.prev_valid: torch.Tensor | None = None
         self.prev_rewards: torch.Tensor | None = None
         """``[T, N]``, the reward each env received for step ``t - 1`` (the one that led to the

@@ -92,15 +92,22 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
     cosine on each encoder, the total norm; returns the medians over the minibatches."""
     from visppo.buffer import minibatches as minibatch_indices
     from visppo.buffer import obs_of
-    from visppo.ppo import auxiliary_errors, auxiliary_weights, normalize_advantages, ppo_loss
+    from visppo.ppo import (
+        auxiliary_errors,
+        auxiliary_weights,
+        needs_previous_step,
+        normalize_advantages,
+        ppo_loss,
+    )
 
     p = cfg.ppo
     groups = parameter_groups(policy)
     params = [q for qs in groups.values() for q in qs]
     sizes = [sum(q.numel() for q in qs) for qs in groups.values()]
     per_mb: list[dict[str, float]] = []
-    coefs = {name.removesuffix("_loss"): w for name, w in auxiliary_weights(policy, p).items()}
-    if "invdyn" in coefs or "reward" in coefs:
+    weights = auxiliary_weights(policy, p)
+    coefs = {name.removesuffix("_loss"): w for name, w in weights.items()}
+    if needs_previous_step(weights):
         buffer.fill_previous_actions()
     advantages = buffer.flat(buffer.advantages)
     for mb in minibatch_indices(buffer.size, p.minibatch_size, generator)[:minibatches]:

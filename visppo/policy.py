@@ -44,6 +44,11 @@ def _mlp(in_dim: int, hidden: int, out_dim: int, out_gain: float) -> nn.Sequenti
                          _init(nn.Linear(hidden, out_dim), out_gain))
 
 
+def _aux_head(in_dim: int, hidden: int, out_dim: int) -> nn.Sequential:
+    """An auxiliary head (decoder, inverse dynamics, reward): one ReLU layer, PyTorch's default init."""
+    return nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, out_dim))
+
+
 class ActorCritic(nn.Module):
     def __init__(self, obs_space: gym.spaces.Dict, action_space: gym.Space, cfg: ModelConfig):
         super().__init__()
@@ -83,16 +88,15 @@ class ActorCritic(nn.Module):
         self.recon_shape = (pixel_shape[0], cfg.recon_size, cfg.recon_size)
         self.decoder = None
         if cfg.recon_size:  # an auxiliary head: the update only; never acts
-            self.decoder = nn.Sequential(nn.Linear(feat, cfg.hidden_dim), nn.ReLU(),
-                                         nn.Linear(cfg.hidden_dim, int(np.prod(self.recon_shape))))
+            self.decoder = _aux_head(feat, cfg.hidden_dim, int(np.prod(self.recon_shape)))
         self.invdyn = None
         if cfg.invdyn:  # an auxiliary head: the update only; never acts
             if self.discrete:
                 raise ConfigError("model.invdyn needs a continuous (Box) action space: set it to false")
-            self.invdyn = nn.Sequential(nn.Linear(feat, cfg.hidden_dim), nn.ReLU(), nn.Linear(cfg.hidden_dim, act_dim))
+            self.invdyn = _aux_head(feat, cfg.hidden_dim, act_dim)
         self.reward_head = None
         if cfg.reward_head:  # an auxiliary head: the update only; never acts
-            self.reward_head = nn.Sequential(nn.Linear(feat, cfg.hidden_dim), nn.ReLU(), nn.Linear(cfg.hidden_dim, 1))
+            self.reward_head = _aux_head(feat, cfg.hidden_dim, 1)
         self.encoder_name = cfg.encoder
         self.augment = make_augmentation(cfg.augment, cfg.shift_pad)  # last: it draws its seed
 

@@ -356,16 +356,20 @@ def auxiliary_weights(policy: ActorCritic, cfg: PPOConfig) -> dict[str, float]:
     return {name: w for name, w in weights.items() if w > 0}
 
 
+PREVIOUS_STEP_LOSSES = ("invdyn_loss", "reward_loss")
+"""The auxiliary losses that read the step before each sample (the buffer's ``fill_previous_actions``)
+and count 0 where there is none in the sample's episode."""
+
+
 def needs_previous_step(weights: dict[str, float]) -> bool:
-    """Whether an auxiliary loss that is on reads the step before each sample (the buffer's
-    ``fill_previous_actions``): inverse dynamics and reward prediction."""
-    return "invdyn_loss" in weights or "reward_loss" in weights
+    """Whether an auxiliary loss that is on reads the step before each sample."""
+    return any(name in weights for name in PREVIOUS_STEP_LOSSES)
 
 
 def auxiliary_errors(aux: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``score_actions_aux``'s per-sample errors as the loss counts them: the inverse-dynamics and
     reward-prediction ones are 0 where the sample has no previous step in its episode."""
-    for name in ("invdyn_loss", "reward_loss"):
+    for name in PREVIOUS_STEP_LOSSES:
         if name in aux:
             aux = {**aux, name: aux[name] * batch["prev_valid"]}
     return aux

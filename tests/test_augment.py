@@ -1,9 +1,11 @@
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributions import Categorical, Normal
 
-from visppo.augment import RandomShift, drac_loss, make_augmentation
+from visppo.augment import RandomRotate, RandomShift, drac_loss, make_augmentation
 from visppo.config import ConfigError, load_config
 
 
@@ -55,9 +57,46 @@ def test_draws_are_reproducible_and_saved_in_the_state_dict():
     assert torch.equal(RandomShift(4).draw(4), d.draw(4))  # seeded from torch's RNG at construction
 
 
+def test_rotate_by_0_is_the_identity_and_by_90_is_rot90_for_every_stacked_frame():
+    aug = RandomRotate(seed=0)
+    x = _frames(3, 9, side=12)
+    assert torch.equal(aug.apply(x, torch.zeros(3)), x)
+    quarter = torch.full((3,), math.pi / 2)
+    # a positive angle turns the picture as rot90(k=1) does (counter-clockwise as displayed);
+    # the reacher test in test_dmc.py checks that this sense is the arm's on the task
+    assert torch.equal(aug.apply(x, quarter), torch.rot90(x, k=1, dims=(2, 3)))
+    cl = x.contiguous(memory_format=torch.channels_last)
+    assert torch.equal(aug.apply(cl, quarter), torch.rot90(x, k=1, dims=(2, 3)))
+    assert torch.equal(aug.apply(x, -quarter), torch.rot90(x, k=-1, dims=(2, 3)))
+    mixed = aug.apply(x, torch.tensor([0.0, math.pi / 2, 0.3]))  # one angle per sample, all its frames
+    assert torch.equal(mixed[0], x[0]) and torch.equal(mixed[1], torch.rot90(x[1], k=1, dims=(1, 2)))
+    same = aug.apply(x[2:3, :3].repeat(1, 3, 1, 1), torch.tensor([0.3]))
+    assert torch.equal(same[:, :3], same[:, 3:6]) and torch.equal(same[:, :3], same[:, 6:])
+
+
+def test_rotate_keeps_a_centred_disc_and_blackens_the_corners():
+    x = torch.full((1, 3, 21, 21), 200, dtype=torch.uint8)
+    out = RandomRotate(seed=0).apply(x, torch.tensor([math.pi / 4]))
+    assert out.dtype == torch.uint8 and out[0, :, 10, 10].tolist() == [200] * 3
+    assert out[0, :, 0, 0].tolist() == [0] * 3  # outside the turned frame
+
+
+def test_rotate_draws_are_bounded_reproducible_and_saved():
+    a, b = RandomRotate(30, seed=5), RandomRotate(30, seed=5)
+    angles = a.draw(2000)
+    assert torch.equal(angles, b.draw(2000))
+    assert angles.abs().max() <= math.radians(30) and angles.min() < -0.4 and angles.max() > 0.4
+    saved = a.state_dict()
+    first = a.draw(4)
+    c = RandomRotate(30, seed=1)
+    c.load_state_dict(saved)
+    assert torch.equal(c.draw(4), first)
+
+
 def test_make_augmentation():
     assert make_augmentation("none", 4) is None
     assert isinstance(make_augmentation("shift", 3), RandomShift)
+    assert make_augmentation("rotate", 3, 45.0).degrees == 45.0
     with pytest.raises(ValueError):
         make_augmentation("crop", 4)
 

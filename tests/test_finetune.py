@@ -251,12 +251,12 @@ def test_checkpointing_gives_the_same_gradients_in_theupdate_with():
     _assert_same_grads(*grads)
 
 
-@pytest.mark.parametrize("use", ["none", "drac", "loss"])
+@pytest.mark.parametrize("use", ["none", "drac", "loss", "rotate"])
 def test_accumulated_gradient_equals_full_minibatch_gradient_resnet(use):
-    model = {"augment": "shift", "shift_pad": 2} if use != "none" else {}
+    model = {"augment": "rotate" if use == "rotate" else "shift", "shift_pad": 2} if use != "none" else {}
     policy, buf = _setup("resnet18", 32, T=4, N=2, **model)
     cfg = PPOConfig(clip_value=True, entropy_coef=0.01, drac_coef=0.5 if use == "drac" else 0.0,
-                    augment_loss=use == "loss")
+                    augment_loss=use in ("loss", "rotate"))
     mb = torch.randperm(buf.size, generator=torch.Generator().manual_seed(1))[:7]
     seed = 11 if use != "none" else None
     full, full_stats = _grads(policy, buf, mb, 7, cfg, seed)
@@ -267,14 +267,16 @@ def test_accumulated_gradient_equals_full_minibatch_gradient_resnet(use):
     assert ("drac_policy" in full_stats) == (use == "drac")
 
 
-def test_augment_loss_is_the_ppo_gradient_on_the_minibatchs_shifted_frames():
+@pytest.mark.parametrize("augment", ["shift", "rotate"])
+def test_augment_loss_is_the_ppo_gradient_on_the_minibatchs_shifted_frames(augment):
     """ppo.augment_loss (RAD): the update's gradient is the plain one on a copy of the frames shifted
-    by the minibatch's draws; logp_old, values and returns stay the buffer's."""
-    policy, buf = _setup("nature", 48, T=4, N=2, augment="shift", shift_pad=4)
+    (or turned) by the minibatch's draws; logp_old, values and returns stay the buffer's."""
+    policy, buf = _setup("nature", 48, T=4, N=2, augment=augment, shift_pad=4)
     mb = torch.tensor([5, 0, 3, 6, 1, 2])
     policy.augment.generator.manual_seed(7)
     offsets, _ = policy.augment.draw_ahead(len(mb))
-    assert offsets.ne(policy.augment.pad).any()  # some sample is really moved
+    moved = policy.augment.apply(buf.flat(buf.obs["pixels"])[mb], offsets)
+    assert not torch.equal(moved, buf.flat(buf.obs["pixels"])[mb])  # some sample is really moved
     got, stats = _grads(policy, buf, mb, 4, PPOConfig(augment_loss=True, entropy_coef=0.01), seed=7)
     shifted = buf.flat(buf.obs["pixels"]).clone()
     shifted[mb] = policy.augment.apply(shifted[mb], offsets)

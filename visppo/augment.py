@@ -23,6 +23,16 @@ Recomputing it on the shifted frames (tried 2026-11-27, README) starts the ratio
 weights actions drawn on the plain frames as if drawn on the shifted ones, and the update
 diverged (approx-KL above 1e5 by 100k steps on DMC reacher-easy).
 
+Random rotation (``model.augment=rotate``): each sample's frames turned by one angle about
+the image centre, nearest pixel, uint8 in and out, the corners outside the turned frame black.
+It is sound only where the task is symmetric under that turn: the camera looks straight down
+the axis of a rotation that leaves dynamics, reward and the actions' meaning unchanged, as
+DeepMind Control's reacher (camera 0 above the arm's base, joint torques, a target drawn at a
+uniform angle; ``tests/test_augment.py`` renders it turned and compares). Then a turned frame
+is a frame of a real state, the stored action is a real action from it, and RAD's use
+(``ppo.augment_loss``, the acting pass's ``logp_old``) is an exact importance ratio: the turn
+adds data instead of regularising. On a task without the symmetry it teaches a wrong policy.
+
 Random draws come from the module's own ``torch.Generator`` (saved in the
 policy's state dict, so a resumed run draws the same shifts); a minibatch's
 shifts are drawn at once, before it is split into micro-batches, so
@@ -31,11 +41,13 @@ micro-batching does not change them.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.distributions import Beta, Categorical, Distribution, Independent, Normal, kl_divergence
 
-AUGMENTATIONS = ("none", "shift")
+AUGMENTATIONS = ("none", "shift", "rotate")
 
 
 class RandomShift(nn.Module):
@@ -90,12 +102,51 @@ class RandomShift(nn.Module):
         return f"pad={self.pad}"
 
 
-def make_augmentation(name: str, pad: int) -> RandomShift | None:
+class RandomRotate(RandomShift):
+    """Random turns of up to ``degrees`` either way about the image centre (same interface as RandomShift:
+    ``draw`` gives ``[n]`` angles in radians)."""
+
+    def __init__(self, degrees: float = 180.0, seed: int | None = None):
+        super().__init__(0, seed)
+        self.degrees = float(degrees)
+
+    def draw_ahead(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ahead = torch.Generator()
+        ahead.set_state(self.generator.get_state())
+        limit = math.radians(self.degrees)
+        angles = (torch.rand(n, generator=ahead, dtype=torch.float64) * 2 - 1) * limit
+        return angles, ahead.get_state()
+
+    def apply(self, pixels: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """Turn ``[B, C, H, W]`` frames (any dtype) by ``[B]`` angles (radians; positive turns the picture
+        counter-clockwise), on their device. Nearest pixel: no blur, so the turned frames are as sharp
+        as the ones the policy acts on (a 1-pixel arm stays 1 pixel), and 2.5x faster than bilinear."""
+        b, c, h, w = pixels.shape
+        device = pixels.device
+        cos = angles.to(device, torch.float32).cos()[:, None, None]
+        sin = angles.to(device, torch.float32).sin()[:, None, None]
+        y = (torch.arange(h, device=device, dtype=torch.float32) - (h - 1) / 2)[None, :, None]
+        x = (torch.arange(w, device=device, dtype=torch.float32) - (w - 1) / 2)[None, None, :]
+        rows = (cos * y + sin * x + (h - 1) / 2).round_().long()  # [B, H, W]: where each output pixel comes from
+        cols = (cos * x - sin * y + (w - 1) / 2).round_().long()
+        inside = ((rows >= 0) & (rows < h) & (cols >= 0) & (cols < w)).view(b, h * w, 1)
+        index = (rows.clamp_(0, h - 1) * w + cols.clamp_(0, w - 1)).view(b, h * w)
+        flat = pixels.permute(0, 2, 3, 1).reshape(b, h * w, c)  # free for channels_last frames
+        out = flat[torch.arange(b, device=device)[:, None], index] * inside.to(pixels.dtype)
+        return out.view(b, h, w, c).permute(0, 3, 1, 2)  # NCHW in channels_last layout
+
+    def extra_repr(self) -> str:
+        return f"degrees={self.degrees:g}"
+
+
+def make_augmentation(name: str, pad: int, degrees: float = 180.0) -> RandomShift | None:
     """``model.augment`` -> the module, or None for ``none``."""
     if name == "none":
         return None
     if name == "shift":
         return RandomShift(pad)
+    if name == "rotate":
+        return RandomRotate(degrees)
     raise ValueError(f"unknown augmentation {name!r}: use one of {' | '.join(AUGMENTATIONS)}")
 
 

@@ -49,7 +49,7 @@ class Stopped(Exception):
 TORCHVISION_ENCODERS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
 """model.encoder names built by torchvision (visppo.encoders knows how to cut each family)."""
 ENCODERS = ("nature", "impala", "drq", "spatial_softmax", *TORCHVISION_ENCODERS)
-AUGMENTATIONS = ("none", "shift")
+AUGMENTATIONS = ("none", "shift", "rotate")
 
 
 @dataclass
@@ -93,9 +93,11 @@ class ModelConfig:
     resize: int = 0
     """Resize frames to this side before a torchvision backbone (224 is ImageNet's); 0 keeps env.image_size."""
     augment: str = "none"
-    """none | shift: random shifts of the update's micro-batches (never when acting), for the DrAC terms (ppo.drac_coef)."""
+    """none | shift | rotate: random shifts, or turns about the image centre, of the update's minibatches (never when acting), for the DrAC terms (ppo.drac_coef) or every loss (ppo.augment_loss). rotate only where the task is symmetric under the turn (camera straight down the axis, as DMC reacher's camera 0; visppo/augment.py)."""
     shift_pad: int = 4
     """Largest shift in pixels for augment=shift (pad and random crop, as DrQ)."""
+    rotate_degrees: float = 180.0
+    """Largest turn either way for augment=rotate, in degrees (180: any angle)."""
     recon_size: int = 0
     """0: off. N: a decoder (an MLP) reconstructs the stacked frames, average-pooled to NxN, from the actor encoder's features, an auxiliary loss (ppo.recon_coef) that keeps in the features what the RL losses would discard (SAC-AE, Yarats et al. 2019). DMC reacher-easy, 4 epochs, one seed, 500k: with 21 and recon_coef 1.0 the encoder kept the arm (tools/feature_probe.py) but the return fell, 28 vs 210 (README): off."""
     invdyn: bool = False
@@ -617,13 +619,15 @@ def _validate_auxiliary(cfg: Config) -> None:
         raise ConfigError(f"model.augment must be one of {' | '.join(AUGMENTATIONS)}, got '{m.augment}'")
     if m.shift_pad <= 0:
         raise ConfigError(f"model.shift_pad must be positive, got {m.shift_pad}")
+    if not 0 < m.rotate_degrees <= 180:
+        raise ConfigError(f"model.rotate_degrees must be in (0, 180], got {m.rotate_degrees}")
     if cfg.ppo.drac_coef < 0:
         raise ConfigError(f"ppo.drac_coef must be >= 0, got {cfg.ppo.drac_coef}")
     if m.augment != "none" and not (cfg.ppo.drac_coef or cfg.ppo.augment_loss):
         raise ConfigError(f"model.augment={m.augment} needs a use: ppo.drac_coef > 0 (e.g. 0.1, the DrAC terms) "
                           "or ppo.augment_loss=true (every loss on the augmented frames)")
     if (cfg.ppo.drac_coef or cfg.ppo.augment_loss) and m.augment == "none":
-        raise ConfigError("ppo.drac_coef > 0 and ppo.augment_loss need an augmentation: set model.augment=shift")
+        raise ConfigError("ppo.drac_coef > 0 and ppo.augment_loss need an augmentation: set model.augment=shift (or rotate)")
     if cfg.ppo.drac_coef and cfg.ppo.augment_loss:
         raise ConfigError("ppo.drac_coef and ppo.augment_loss are two uses of model.augment: set one of them "
                           "(ppo.drac_coef=0 or ppo.augment_loss=false)")

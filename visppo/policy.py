@@ -7,7 +7,7 @@ what the DrAC terms of the update need, and ``score_actions_aux`` is ``score_act
 each sample's error on the auxiliary heads that are on (reconstruction, model.recon_size;
 inverse dynamics, model.invdyn; reward prediction, model.reward_head). Distributions are built in float32 even under
 autocast: log-probs feed a ratio ``exp(new - old)`` that low precision would
-distort. ``augment`` (a RandomShift, or None) is used by the update only.
+distort. ``augment`` (a RandomShift or RandomRotate, or None) is used by the update only.
 
 Box actions take a Gaussian (``model.action_dist=normal``: unbounded; the env clips, the
 buffer keeps the unclipped sample) or a Beta per dimension (``beta``: its support is the
@@ -98,7 +98,7 @@ class ActorCritic(nn.Module):
         if cfg.reward_head:  # an auxiliary head: the update only; never acts
             self.reward_head = _aux_head(feat, cfg.hidden_dim, 1)
         self.encoder_name = cfg.encoder
-        self.augment = make_augmentation(cfg.augment, cfg.shift_pad)  # last: it draws its seed
+        self.augment = make_augmentation(cfg.augment, cfg.shift_pad, cfg.rotate_degrees)  # last: it draws its seed
 
     def _init_beta_bounds(self, space: gym.spaces.Box) -> None:
         """The affine map from the Beta's unit interval to the action bounds, as buffers (saved with the weights)."""

@@ -114,7 +114,7 @@ def measure(policy, cfg, buffer, minibatches: int, generator: torch.Generator) -
         batch = buffer.gather(mb, torch.device("cpu"))
         adv = normalize_advantages(advantages[mb]) if p.norm_adv else advantages[mb]
         obs = obs_of(batch)
-        if p.augment_loss:  # the losses read shifted frames, as the update's do
+        if p.augment_loss:  # the losses read shifted (or turned) frames, as the update's do
             obs = policy.augment.augment_obs(obs, policy.augment.draw(len(mb)))
         if coefs:
             logp, entropy, values, aux = policy.score_actions_aux(obs, batch["actions"], batch.get("prev_actions"),

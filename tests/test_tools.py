@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from conftest import tiny_overrides
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"
 
 
 def test_bench_prints_every_figure_and_writes_json(tmp_path):
@@ -459,3 +460,50 @@ def test_state_ppo_trains_on_the_suites_state_and_evaluates_full_episodes(tmp_pa
     assert all(100 < r["eval_return"] <= 1000 for r in rows)
     assert all(len(r["log_std"]) == 1 for r in rows)  # one action dimension: the cart's force
     assert rows[1]["train_return"] is None  # no 1000-frame episode finishes in 256 steps per env
+
+
+def _dot_frames(n: int, seed: int = 0):
+    """Frames of a 4x4 white square at a random place, and its (x, y) in [-1, 1]."""
+    rng = np.random.default_rng(seed)
+    pos = rng.uniform(-1, 1, (n, 2)).astype(np.float32)
+    frames = np.zeros((n, 3, 36, 36), np.uint8)
+    for k, (x, y) in enumerate(pos):
+        col, row = int(round((x + 1) / 2 * 29)) + 3, int(round((1 - y) / 2 * 29)) + 3
+        frames[k, :, row - 2:row + 2, col - 2:col + 2] = 255
+    return frames, pos
+
+
+def test_position_fit_learns_a_position_the_frames_show_and_not_one_they_hide():
+    from visppo.config import load_config
+
+    fit = _tool("position_fit").fit
+    cfg = load_config(None, ["model.encoder=nature", "env.image_size=36", "model.feature_dim=64"])
+    frames, pos = _dot_frames(400)
+    group = np.arange(400) // 20  # 20 "episodes", the last 4 held out
+    _, (train_r2, test_r2) = fit(cfg, frames, pos, group, 300, "none", report=lambda *a: None)
+    assert test_r2.min() > 0.9 and train_r2.min() > 0.9
+    hidden = np.random.default_rng(1).permutation(pos)  # positions the frames do not show
+    _, (_, test_r2) = fit(cfg, frames, hidden, group, 300, "none", report=lambda *a: None)
+    assert test_r2.max() < 0.3
+
+
+def test_position_fit_turns_targets_with_the_frames():
+    import torch
+
+    turn_xy = _tool("position_fit").turn_xy
+    out = turn_xy(torch.tensor([[1.0, 0.0, 0.0, 2.0]]), torch.tensor([math.pi / 2], dtype=torch.float64))
+    torch.testing.assert_close(out, torch.tensor([[0.0, 1.0, -2.0, 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_position_fit_runs_on_a_config_and_refuses_bad_input(tmp_path):
+    cmd = [sys.executable, str(TOOLS / "position_fit.py"), "configs/reach.yaml", "--episodes", "3", "--steps", "4",
+           "--updates", "2", "--save", str(tmp_path / "enc.pt")]
+    proc = subprocess.run([*cmd, "--geoms", "fingertip", "target"], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fingertip-target.x" in proc.stdout and "held-out" in proc.stdout, proc.stdout
+    assert (tmp_path / "enc.pt").is_file()
+    for args, needle in ((["--geoms", "nosuch"], "no geom nosuch"), (["--geoms", "target", "bogus"], "bogus")):
+        bad = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert bad.returncode == 2 and bad.stderr.startswith("error:") and needle in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -28,7 +28,7 @@ the image centre, nearest pixel, uint8 in and out, the corners outside the turne
 It is sound only where the task is symmetric under that turn: the camera looks straight down
 the axis of a rotation that leaves dynamics, reward and the actions' meaning unchanged, as
 DeepMind Control's reacher (camera 0 above the arm's base, joint torques, a target drawn at a
-uniform angle; ``tests/test_augment.py`` renders it turned and compares). Then a turned frame
+uniform angle; ``tests/test_dmc.py`` renders it turned and compares). Then a turned frame
 is a frame of a real state, the stored action is a real action from it, and RAD's use
 (``ppo.augment_loss``, the acting pass's ``logp_old``) is an exact importance ratio: the turn
 adds data instead of regularising. On a task without the symmetry it teaches a wrong policy.

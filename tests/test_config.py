@@ -58,6 +58,9 @@ def test_round_trip_through_plain_dict():
     (["model.detach_actor=true", "model.share_encoder=false"], "model.detach_actor needs model.share_encoder"),
     (["model.action_dist=gamma"], "model.action_dist"),
     (["model.action_dist=beta", "model.final_log_std=-2"], "model.final_log_std"),
+    (["model.noise_beta=3"], "model.noise_beta"),
+    (["model.noise_beta=-0.5"], "model.noise_beta"),
+    (["model.action_dist=beta", "model.noise_beta=0.5"], "model.noise_beta"),
 ])
 def test_bad_values_are_refused_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

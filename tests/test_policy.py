@@ -242,3 +242,25 @@ def test_beta_refuses_discrete_and_unbounded_actions(space):
     from visppo.config import ConfigError
     with pytest.raises(ConfigError, match="action_dist"):
         ActorCritic(OBS, space, ModelConfig(action_dist="beta"))
+
+
+def test_given_noise_the_gaussian_acts_mean_plus_std_times_it_and_scores_it_as_the_gaussian():
+    torch.manual_seed(0)
+    pol = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(init_log_std=-0.5))
+    obs, noise = _obs(5), torch.randn(5, 2)
+    action, logp, _ = pol.act(obs, noise=noise)
+    mean = pol.actor(pol.encoder(obs))
+    torch.testing.assert_close(action, mean + np.exp(-0.5) * noise)
+    expected = torch.distributions.Normal(mean, np.exp(-0.5)).log_prob(action).sum(-1)
+    torch.testing.assert_close(logp, expected)
+    torch.testing.assert_close(pol.score_actions(obs, action)[0], logp)
+    det, _, _ = pol.act(obs, deterministic=True, noise=noise)  # evaluation ignores the noise
+    torch.testing.assert_close(det, mean)
+
+
+@pytest.mark.parametrize("space, cfg", [(gym.spaces.Discrete(3), ModelConfig()),
+                                        (gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(action_dist="beta"))])
+def test_noise_is_refused_for_policies_without_a_gaussian(space, cfg):
+    pol = ActorCritic(OBS, space, cfg)
+    with pytest.raises(ValueError, match="Gaussian"):
+        pol.act(_obs(2), noise=torch.zeros(2, 2))

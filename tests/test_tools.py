@@ -446,6 +446,34 @@ def test_state_ppo_can_swap_the_target_vector_for_the_targets_world_position():
         assert bad.returncode == 2 and bad.stderr.startswith("error:") and repr(name) in bad.stderr, bad.stderr
 
 
+STATE_NOISE = """
+import runpy, numpy as np, torch
+m = runpy.run_path("tools/state_ppo.py", run_name="state_ppo")
+from visppo.noise import ColoredNoise
+envs = [m["StateEnv"]("dmc:reacher-easy", 3, 2)]
+obs = np.stack([e.reset() for e in envs])
+torch.manual_seed(0)
+policy = m["StatePolicy"](obs.shape[1], 2)
+noise, same = ColoredNoise(0.5, 1, 2, 500, 0), ColoredNoise(0.5, 1, 2, 500, 0)
+roll, _ = m["collect"](policy, envs, obs.copy(), 4, 0.99, 0.95, [], noise)
+with torch.no_grad():
+    dist, _ = policy(roll["obs"][:, 0])
+expected = dist.mean + dist.stddev * torch.stack([same.sample()[0] for _ in range(4)])
+assert torch.allclose(roll["actions"][:, 0], expected, atol=1e-5), (roll["actions"][:, 0], expected)
+print("ok")
+"""
+
+
+def test_state_ppo_acts_mean_plus_std_times_the_colored_noise():
+    """--noise-beta: the rollout's actions are the Gaussian's mean plus its std times each env's
+    ColoredNoise, in the noise's order (the trainer's model.noise_beta, screened here)."""
+    pytest.importorskip("dm_control", reason='needs pip install -e ".[dmc]"')
+    env = {**os.environ, "MUJOCO_GL": "disable"}
+    proc = subprocess.run([sys.executable, "-c", STATE_NOISE], capture_output=True, text=True, timeout=300,
+                          cwd=TOOLS.parent, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
 def test_state_ppo_trains_on_the_suites_state_and_evaluates_full_episodes(tmp_path):
     pytest.importorskip("dm_control", reason='needs pip install -e ".[dmc]"')
     out = tmp_path / "state.json"

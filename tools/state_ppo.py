@@ -2,7 +2,7 @@
 
     python tools/state_ppo.py dmc:reacher-easy [--steps 500000] [--seed 1] [--lr 3e-4]
         [--epochs 10] [--num-envs 8] [--num-steps 128] [--minibatch 256] [--init-log-std -0.5]
-        [--eval-every 50000] [--drop KEY ...] [--add-geom NAME ...] [--json F]
+        [--eval-every 50000] [--drop KEY ...] [--add-geom NAME ...] [--noise-beta B] [--json F]
 
 visppo learns from pixels; when a task does not learn, the question is whether PPO with those
 sizes cannot learn it at all, or cannot learn it *from the frames*. This tool answers the first
@@ -20,6 +20,10 @@ actions in [-1, 1] scaled to the task's bounds, and nothing rendered (``MUJOCO_G
 frames make hard: ``--drop to_target --add-geom target`` gives reacher the target's position in
 the world (what the frames show) instead of the fingertip-to-target vector, so the network must
 work out the difference from the joint angles itself, as a pixel encoder must.
+
+``--noise-beta`` samples the Gaussian through temporally correlated noise, as the trainer's
+``model.noise_beta`` (``visppo.noise.ColoredNoise``): each env's unit-variance noise is a
+1/f^beta sequence drawn per episode, and the action is the mean plus the std times it.
 
 What it leaves out from the pixel learner: frames, frame stacking and the CNN, mixed precision,
 micro-batches, the optional knobs (value normalisation, augmentation, auxiliary losses).
@@ -43,6 +47,7 @@ os.environ["MUJOCO_GL"] = "disable"  # nothing is rendered; dm_control then load
 
 from envs import dmc  # noqa: E402
 from visppo.buffer import compute_gae  # noqa: E402
+from visppo.noise import ColoredNoise  # noqa: E402
 from visppo.ppo import ppo_loss  # noqa: E402
 
 EVAL_SEED = 5000
@@ -129,7 +134,8 @@ def evaluate(policy: StatePolicy, args: argparse.Namespace, episodes: int = 10) 
 
 
 def collect(policy: StatePolicy, envs: list[StateEnv], obs: np.ndarray, num_steps: int, gamma: float,
-            lam: float, finished: list[float]) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+            lam: float, finished: list[float], noise: ColoredNoise | None = None
+            ) -> tuple[dict[str, torch.Tensor], np.ndarray]:
     """One rollout of ``num_steps`` per env; finished episodes' returns are appended to ``finished``."""
     T, N = num_steps, len(envs)
     roll = {k: torch.zeros(T, N) for k in ("logp", "values", "rewards", "truncated", "final_values")}
@@ -137,7 +143,7 @@ def collect(policy: StatePolicy, envs: list[StateEnv], obs: np.ndarray, num_step
     for t in range(T):
         with torch.no_grad():
             dist, value = policy(torch.as_tensor(obs))
-            action = dist.sample()
+            action = dist.sample() if noise is None else dist.mean + dist.stddev * noise.sample()
         roll["obs"][t], roll["actions"][t], roll["values"][t] = torch.as_tensor(obs), action, value
         roll["logp"][t] = dist.log_prob(action).sum(-1)
         for i, env in enumerate(envs):
@@ -148,6 +154,8 @@ def collect(policy: StatePolicy, envs: list[StateEnv], obs: np.ndarray, num_step
                     roll["final_values"][t, i] = policy(torch.as_tensor(next_obs[None]))[1][0]
                 finished.append(env.episode_return)
                 next_obs = env.reset()
+                if noise is not None:
+                    noise.restart(i)
             obs[i] = next_obs
     with torch.no_grad():
         last_value = policy(torch.as_tensor(obs))[1]
@@ -186,11 +194,15 @@ def train(args: argparse.Namespace) -> list[dict]:
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr, eps=1e-5)
     iterations = max(1, args.steps // (args.num_envs * args.num_steps))
     finished: list[float] = []
+    noise = None
+    if args.noise_beta:
+        noise = ColoredNoise(args.noise_beta, args.num_envs, envs[0].action_dim,
+                             dmc.EPISODE_FRAMES // args.action_repeat, args.seed)
     rows, next_eval, start = [], args.eval_every, time.perf_counter()
     for it in range(iterations):
         for group in optimizer.param_groups:
             group["lr"] = args.lr * (1.0 - it / iterations)
-        roll, obs = collect(policy, envs, obs, args.num_steps, args.gamma, args.gae_lambda, finished)
+        roll, obs = collect(policy, envs, obs, args.num_steps, args.gamma, args.gae_lambda, finished, noise)
         update(policy, optimizer, roll, args)
         step = (it + 1) * args.num_envs * args.num_steps
         if step >= next_eval or it == iterations - 1:
@@ -223,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--drop", nargs="+", default=(), metavar="KEY", help="leave these observation entries out")
     p.add_argument("--add-geom", nargs="+", default=(), metavar="NAME",
                    help="add these geoms' world positions (x, y, z) to the state")
+    p.add_argument("--noise-beta", type=float, default=0.0,
+                   help="exploration noise's colour: 0 white (independent per step), 0.5-1 correlated in time")
     p.add_argument("--json", type=Path, help="write the evaluation rows and the arguments here")
     args = p.parse_args(argv)
     if not dmc.is_dmc_id(args.env_id):

@@ -179,16 +179,18 @@ RESUMABLE = ("ppo.total_steps", "run.progress", "run.tensorboard", "run.log_ever
 """Keys a resumed run may change; everything else would make it a different run."""
 
 
-def rank_state(generator: torch.Generator, envs, augment=None, reward_scale=None) -> dict:
+def rank_state(generator: torch.Generator, envs, augment=None, reward_scale=None, noise=None) -> dict:
     """The states a process's own streams need to resume: RNGs, minibatch order, env episode
-    counters, its augmentation draws (each rank draws its own) and, with ``ppo.norm_reward``,
-    the return statistics (its envs' running returns)."""
+    counters, its augmentation draws (each rank draws its own), with ``ppo.norm_reward`` the
+    return statistics (its envs' running returns), and with ``model.noise_beta`` the noise's stream."""
     state = {"rng": rng_state(), "minibatch_generator": generator.get_state(),
              "env_episodes": [int(e) for e in envs.get_attr("episode")]}
     if augment is not None:
         state["augment_generator"] = augment.generator.get_state()
     if reward_scale is not None:
         state["reward_scale"] = reward_scale.state_dict()
+    if noise is not None:
+        state["noise"] = noise.state_dict()
     return state
 
 

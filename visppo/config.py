@@ -120,6 +120,8 @@ class ModelConfig:
     """Initial log standard deviation of the Gaussian policy (Box actions, action_dist=normal)."""
     norm_value: bool = False
     """The critic learns value targets centred and scaled by their running mean and std (value normalisation); its outputs are mapped back to return units, so GAE is unchanged. Without it, a task whose returns are large and alike (DMC cartpole-balance: ~150 in every state) saturates the critic's tanh layer and leaves a constant value (explained variance 0); with final_log_std=-2.3 it took cartpole-balance from 620 (one seed) to 704 +- 107 at 500k (three seeds: 760, 771, 581; README). Alone on reacher-easy (one seed, 500k): 194 vs 199, though the policy term then drives the encoder (README)."""
+    noise_beta: float = 0.0
+    """Colour of the Gaussian policy's exploration noise in time: 0 samples each step independently (white); beta > 0 gives each env a unit-variance noise sequence whose power falls as 1/f^beta (0.5 for PPO in Hollenstein et al. 2023; 1 is pink), restarted at every episode, and acts mean + std x noise, so the sampled directions persist for several steps (visppo.noise). The log-prob stays the Gaussian's per step; evaluation (the mean) is unchanged. Screened on DMC reacher-easy from the state (tools/state_ppo.py, README). action_dist=normal only; 0 to 2."""
     final_log_std: float | None = None
     """If set, the log-std is not learned but moves linearly from init_log_std to this over ppo.total_steps (DrQ-v2's std schedule). Push at 1M, -1.6: deterministic success 78% vs 48% learned (3 seeds); it collapsed cartpole-swingup at 100k; -2.3 with norm_value: DMC cartpole-balance 704 +- 107 (3 seeds) vs 620 at 500k, reacher-easy (from std 1.0) 96 vs 199 (one seed; README)."""
 
@@ -562,6 +564,11 @@ def _validate_choices(cfg: Config) -> None:
     choice("memory.buffer_device", cfg.memory.buffer_device, ("cpu", "device"))
     choice("model.encoder", cfg.model.encoder, ENCODERS)
     choice("model.action_dist", cfg.model.action_dist, ("normal", "beta"))
+    if not 0.0 <= cfg.model.noise_beta <= 2.0:
+        raise ConfigError(f"model.noise_beta must be in [0, 2] (0 white, 1 pink, 2 red), got {cfg.model.noise_beta}")
+    if cfg.model.noise_beta and cfg.model.action_dist != "normal":
+        raise ConfigError("model.noise_beta colours a Gaussian's noise, and model.action_dist=beta has none: "
+                          "set model.noise_beta=0 or model.action_dist=normal")
     if cfg.model.action_dist == "beta" and cfg.model.final_log_std is not None:
         raise ConfigError("model.final_log_std schedules a Gaussian's std, and model.action_dist=beta has none: "
                           "remove model.final_log_std or set model.action_dist=normal")

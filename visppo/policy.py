@@ -175,13 +175,19 @@ class ActorCritic(nn.Module):
             return dist.entropy() + self.action_range.log().sum()
         return dist.entropy().sum(-1)
 
-    def act(self, obs: Obs, deterministic: bool = False):
+    def act(self, obs: Obs, deterministic: bool = False, noise: torch.Tensor | None = None):
         """Sample actions (a Gaussian's unclipped) with their log-probs and the values, for collection.
-        Deterministic: the mode of a categorical, the mean of a Gaussian or a Beta."""
+        Deterministic: the mode of a categorical, the mean of a Gaussian or a Beta. ``noise``
+        (``[batch, action_dim]``, unit variance; a Gaussian policy only): the sample is ``mean + std *
+        noise`` instead of a fresh draw, for noise correlated in time (``visppo.noise``)."""
         actor_feats, critic_feats, _ = self._features(obs)
         dist = self._dist(actor_feats)
         if deterministic:
             action = dist.probs.argmax(-1) if self.discrete else dist.mean
+        elif noise is not None:
+            if self.discrete or self.beta:
+                raise ValueError("act(noise=...) needs a Gaussian policy (model.action_dist=normal, Box actions)")
+            action = dist.mean + dist.stddev * noise.to(dist.mean.device, dist.mean.dtype)
         else:
             action = dist.sample()
         if self.beta:

@@ -464,6 +464,34 @@ print("ok")
 """
 
 
+STATE_BLUR = """
+import runpy, numpy as np
+m = runpy.run_path("tools/state_ppo.py", run_name="state_ppo")
+blurred, exact = m["StateEnv"]("dmc:reacher-easy", 3, 2, blur={"to_target": 0.05}), m["StateEnv"]("dmc:reacher-easy", 3, 2)
+diffs = []
+for k in range(200):
+    b, e = (blurred.reset(), exact.reset()) if k == 0 else (blurred.step(np.zeros(2))[0], exact.step(np.zeros(2))[0])
+    diffs.append(b - e)
+diffs = np.array(diffs)
+assert np.allclose(diffs[:, :2], 0) and np.allclose(diffs[:, 4:], 0)  # joint angles, velocities exact
+assert 0.04 < diffs[:, 2:4].std() < 0.06 and abs(diffs[:, 2:4].mean()) < 0.01  # the vector, blurred
+print("ok")
+"""
+
+
+def test_state_ppo_blurs_only_the_named_entry_by_the_given_std():
+    """--blur to_target=0.05: the fingertip-to-target vector read to 0.05 m, the rest exact."""
+    pytest.importorskip("dm_control", reason='needs pip install -e ".[dmc]"')
+    env = {**os.environ, "MUJOCO_GL": "disable"}
+    proc = subprocess.run([sys.executable, "-c", STATE_BLUR], capture_output=True, text=True, timeout=300,
+                          cwd=TOOLS.parent, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    for bad_arg, needle in (("to_target", "KEY=STD"), ("tgt=0.1", "'tgt'")):
+        bad = subprocess.run([sys.executable, str(TOOLS / "state_ppo.py"), "dmc:reacher-easy", "--blur", bad_arg],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert bad.returncode == 2 and bad.stderr.startswith("error:") and needle in bad.stderr, bad.stderr
+
+
 def test_state_ppo_acts_mean_plus_std_times_the_colored_noise():
     """--noise-beta: the rollout's actions are the Gaussian's mean plus its std times each env's
     ColoredNoise, in the noise's order (the trainer's model.noise_beta, screened here)."""

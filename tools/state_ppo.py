@@ -2,7 +2,8 @@
 
     python tools/state_ppo.py dmc:reacher-easy [--steps 500000] [--seed 1] [--lr 3e-4]
         [--epochs 10] [--num-envs 8] [--num-steps 128] [--minibatch 256] [--init-log-std -0.5]
-        [--eval-every 50000] [--drop KEY ...] [--add-geom NAME ...] [--noise-beta B] [--json F]
+        [--eval-every 50000] [--drop KEY ...] [--add-geom NAME ...] [--noise-beta B] [--blur KEY=STD ...]
+        [--json F]
 
 visppo learns from pixels; when a task does not learn, the question is whether PPO with those
 sizes cannot learn it at all, or cannot learn it *from the frames*. This tool answers the first
@@ -20,6 +21,11 @@ actions in [-1, 1] scaled to the task's bounds, and nothing rendered (``MUJOCO_G
 frames make hard: ``--drop to_target --add-geom target`` gives reacher the target's position in
 the world (what the frames show) instead of the fingertip-to-target vector, so the network must
 work out the difference from the joint angles itself, as a pixel encoder must.
+
+``--blur to_target=0.03`` adds Gaussian noise of that std (the entry's units: metres for
+reacher's vector) to an observation entry at every step, in training and evaluation: a stand-in
+for an encoder that reads the entry only so precisely, to ask how precise a camera's reading
+must be. (Independent per step, where an encoder's error is a fixed function of the frame.)
 
 ``--noise-beta`` samples the Gaussian through temporally correlated noise, as the trainer's
 ``model.noise_beta`` (``visppo.noise.ColoredNoise``): each env's unit-variance noise is a
@@ -59,12 +65,14 @@ class StateEnv:
     that returns the flattened state and renders nothing."""
 
     def __init__(self, env_id: str, seed: int, action_repeat: int, drop: tuple[str, ...] = (),
-                 geoms: tuple[str, ...] = ()) -> None:
+                 geoms: tuple[str, ...] = (), blur: dict[str, float] | None = None) -> None:
         domain, _, task = dmc.gym_id(env_id)[len(dmc.NAMESPACE) + 1:-len("-v0")].partition("-")
         self.env = dmc._load(domain, task, {"random": seed})
-        self.drop, self.geoms = tuple(drop), tuple(geoms)
+        self.drop, self.geoms, self.blur = tuple(drop), tuple(geoms), dict(blur or {})
+        self.rng = np.random.default_rng(seed)
         keys, names = self.env.observation_spec().keys(), self.env.physics.named.data.geom_xpos.axes.row.names
-        for what, asked, have in (("--drop: observation", self.drop, keys), ("--add-geom: geom", self.geoms, names)):
+        for what, asked, have in (("--drop: observation", self.drop, keys), ("--add-geom: geom", self.geoms, names),
+                                  ("--blur: observation", tuple(self.blur), keys)):
             unknown = [a for a in asked if a not in have]
             if unknown:
                 raise ValueError(f"{what} {unknown[0]!r} not in {domain}-{task}: use one of {', '.join(have)}")
@@ -75,7 +83,8 @@ class StateEnv:
 
     def _flat(self, timestep) -> np.ndarray:
         """The suite's observation in its order, less ``drop``, then each of ``geoms``' world position."""
-        parts = [np.asarray(v, np.float64).ravel() for k, v in timestep.observation.items() if k not in self.drop]
+        parts = [np.asarray(v, np.float64).ravel() + (self.rng.normal(0.0, self.blur[k], np.size(v)) if k in self.blur else 0.0)
+                 for k, v in timestep.observation.items() if k not in self.drop]
         parts += [np.array(self.env.physics.named.data.geom_xpos[name], np.float64) for name in self.geoms]
         return np.concatenate(parts).astype(np.float32)
 
@@ -123,7 +132,7 @@ def evaluate(policy: StatePolicy, args: argparse.Namespace, episodes: int = 10) 
     """Deterministic returns (the Gaussian's mean) of ``episodes`` episodes, seeds 5000, 5001, ..."""
     returns = []
     for i in range(episodes):
-        env = StateEnv(args.env_id, EVAL_SEED + i, args.action_repeat, args.drop, args.add_geom)
+        env = StateEnv(args.env_id, EVAL_SEED + i, args.action_repeat, args.drop, args.add_geom, args.blur)
         obs, over = env.reset(), False
         while not over:
             with torch.no_grad():
@@ -187,7 +196,7 @@ def update(policy: StatePolicy, optimizer: torch.optim.Optimizer, roll: dict[str
 def train(args: argparse.Namespace) -> list[dict]:
     """Train and evaluate every ``args.eval_every`` agent steps; returns the evaluation rows."""
     torch.manual_seed(args.seed)
-    envs = [StateEnv(args.env_id, args.seed * 1000 + i, args.action_repeat, args.drop, args.add_geom)
+    envs = [StateEnv(args.env_id, args.seed * 1000 + i, args.action_repeat, args.drop, args.add_geom, args.blur)
             for i in range(args.num_envs)]
     obs = np.stack([env.reset() for env in envs])
     policy = StatePolicy(obs.shape[1], envs[0].action_dim, init_log_std=args.init_log_std)
@@ -235,10 +244,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--drop", nargs="+", default=(), metavar="KEY", help="leave these observation entries out")
     p.add_argument("--add-geom", nargs="+", default=(), metavar="NAME",
                    help="add these geoms' world positions (x, y, z) to the state")
+    p.add_argument("--blur", nargs="+", default=[], metavar="KEY=STD",
+                   help="add Gaussian noise of this std to an observation entry at every step")
     p.add_argument("--noise-beta", type=float, default=0.0,
                    help="exploration noise's colour: 0 white (independent per step), 0.5-1 correlated in time")
     p.add_argument("--json", type=Path, help="write the evaluation rows and the arguments here")
     args = p.parse_args(argv)
+    try:
+        args.blur = {k: float(v) for k, v in (item.split("=", 1) for item in args.blur)}
+    except ValueError:
+        p.exit(2, f"error: --blur takes KEY=STD pairs such as to_target=0.03, got {' '.join(args.blur)}\n")
     if not dmc.is_dmc_id(args.env_id):
         p.exit(2, f"error: {args.env_id!r} is not a DeepMind Control id: give one such as dmc:reacher-easy\n")
     try:
@@ -246,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     except dmc.SuiteUnavailable as exc:
         p.exit(2, f"error: {exc}\n")
     try:
-        StateEnv(args.env_id, 0, args.action_repeat, args.drop, args.add_geom)
+        StateEnv(args.env_id, 0, args.action_repeat, args.drop, args.add_geom, args.blur)
     except ValueError as exc:
         p.exit(2, f"error: {exc}\n")
     torch.set_num_threads(args.threads)

@@ -418,6 +418,17 @@ def test_state_ppo_refuses_an_id_that_is_not_deepmind_control():
     assert proc.stderr.strip().startswith("error:") and "dmc:" in proc.stderr
 
 
+def _run_state_script(script: str) -> dict[str, str]:
+    """Run a check of tools/state_ppo.py's pieces in a fresh process (nothing rendered); it prints
+    ok. Returns the environment it ran with, for the CLI calls that follow."""
+    pytest.importorskip("dm_control", reason='needs pip install -e ".[dmc]"')
+    env = {**os.environ, "MUJOCO_GL": "disable"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=TOOLS.parent, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    return env
+
+
 STATE_SWAP = """
 import runpy, numpy as np
 m = runpy.run_path("tools/state_ppo.py", run_name="state_ppo")
@@ -435,11 +446,7 @@ print("ok")
 def test_state_ppo_can_swap_the_target_vector_for_the_targets_world_position():
     """--drop to_target --add-geom target: reacher's state then holds what the frames hold (the target's
     position, the arm's angles), not the fingertip-to-target difference; unknown names are refused."""
-    pytest.importorskip("dm_control", reason='needs pip install -e ".[dmc]"')
-    env = {**os.environ, "MUJOCO_GL": "disable"}
-    proc = subprocess.run([sys.executable, "-c", STATE_SWAP], capture_output=True, text=True, timeout=300,
-                          cwd=TOOLS.parent, env=env)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    env = _run_state_script(STATE_SWAP)
     for flag, name in (("--drop", "to_targt"), ("--add-geom", "fingertip")):
         bad = subprocess.run([sys.executable, str(TOOLS / "state_ppo.py"), "dmc:reacher-easy", flag, name],
                              capture_output=True, text=True, timeout=300, env=env)
@@ -481,11 +488,7 @@ print("ok")
 
 def test_state_ppo_blurs_only_the_named_entry_by_the_given_std():
     """--blur to_target=0.05: the fingertip-to-target vector read to 0.05 m, the rest exact."""
-    pytest.importorskip("dm_control", reason='needs pip install -e ".[dmc]"')
-    env = {**os.environ, "MUJOCO_GL": "disable"}
-    proc = subprocess.run([sys.executable, "-c", STATE_BLUR], capture_output=True, text=True, timeout=300,
-                          cwd=TOOLS.parent, env=env)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    env = _run_state_script(STATE_BLUR)
     for bad_arg, needle in (("to_target", "KEY=STD"), ("tgt=0.1", "'tgt'")):
         bad = subprocess.run([sys.executable, str(TOOLS / "state_ppo.py"), "dmc:reacher-easy", "--blur", bad_arg],
                              capture_output=True, text=True, timeout=300, env=env)
@@ -495,11 +498,7 @@ def test_state_ppo_blurs_only_the_named_entry_by_the_given_std():
 def test_state_ppo_acts_mean_plus_std_times_the_colored_noise():
     """--noise-beta: the rollout's actions are the Gaussian's mean plus its std times each env's
     ColoredNoise, in the noise's order (the trainer's model.noise_beta, screened here)."""
-    pytest.importorskip("dm_control", reason='needs pip install -e ".[dmc]"')
-    env = {**os.environ, "MUJOCO_GL": "disable"}
-    proc = subprocess.run([sys.executable, "-c", STATE_NOISE], capture_output=True, text=True, timeout=300,
-                          cwd=TOOLS.parent, env=env)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    _run_state_script(STATE_NOISE)
 
 
 def test_state_ppo_trains_on_the_suites_state_and_evaluates_full_episodes(tmp_path):

@@ -70,6 +70,27 @@ def geom_ids(base, geoms: list[str], env_id: str) -> list[int]:
     return ids
 
 
+def random_action_states(env, ids: list[int], episodes: int, steps: int, first_seed: int):
+    """Random-action episodes (actions uniform in the bounds, one numpy stream from seed 0), reset
+    with seeds ``first_seed``, ``first_seed + 1``, ...: yields ``(episode, t, obs, xy, ended)``
+    for the state after ``t`` steps, t = 0 (the reset) up to ``steps`` or the step that ends the
+    episode (``ended``), ``xy`` each geom's world x, y there. What this tool and
+    tools/position_fit.py record from, each its own states of it."""
+    base = env.unwrapped
+    rng = np.random.default_rng(0)
+    for ep in range(episodes):
+        obs, _ = env.reset(seed=first_seed + ep)
+        for t in range(steps + 1):
+            ended = False
+            if t:
+                action = rng.uniform(env.action_space.low, env.action_space.high).astype(np.float32)
+                obs, _, terminated, truncated, _ = env.step(action)
+                ended = terminated or truncated
+            yield ep, t, obs, np.concatenate([base.data.geom_xpos[i, :2] for i in ids]), ended
+            if ended:
+                break
+
+
 def collect(source: str, geoms: list[str], episodes: int, steps: int, random_init: bool,
             env_overrides: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Features, geom x-y positions (one column pair per geom) and episode index per record."""
@@ -87,24 +108,16 @@ def collect(source: str, geoms: list[str], episodes: int, steps: int, random_ini
                 module.reset_parameters()
     policy.eval()
     env = make_env(cfg)
-    base = env.unwrapped
-    ids = geom_ids(base, geoms, cfg.env.id)
-    rng = np.random.default_rng(0)
+    ids = geom_ids(env.unwrapped, geoms, cfg.env.id)
     feats, pos, group = [], [], []
-    try:
-        for ep in range(episodes):
-            obs, _ = env.reset(seed=6000 + ep)
-            for t in range(steps):
-                if t % RECORD_EVERY == RECORD_EVERY - 1:
-                    batch = {k: torch.as_tensor(np.asarray(v))[None] for k, v in obs.items()}
-                    with torch.inference_mode():
-                        feats.append(policy.encoder(batch).float()[0].numpy())
-                    pos.append(np.concatenate([base.data.geom_xpos[i, :2] for i in ids]))
-                    group.append(ep)
-                action = rng.uniform(env.action_space.low, env.action_space.high).astype(np.float32)
-                obs, _, terminated, truncated, _ = env.step(action)
-                if terminated or truncated:
-                    break
+    try:  # every third state before the last step; an episode's final state is not one
+        for ep, t, obs, xy, ended in random_action_states(env, ids, episodes, steps, first_seed=6000):
+            if t < steps and t % RECORD_EVERY == RECORD_EVERY - 1 and not ended:
+                batch = {k: torch.as_tensor(np.asarray(v))[None] for k, v in obs.items()}
+                with torch.inference_mode():
+                    feats.append(policy.encoder(batch).float()[0].numpy())
+                pos.append(xy)
+                group.append(ep)
     finally:
         env.close()
     return np.array(feats), np.array(pos), np.array(group)

@@ -40,26 +40,19 @@ HELD_OUT = 0.2
 
 def record(cfg, geoms: list[str], episodes: int, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Stacked frames (uint8 ``[N, C, H, W]``), geom x-y per record and episode index, random actions."""
-    from feature_probe import geom_ids
+    from feature_probe import geom_ids, random_action_states
 
     from visppo.envs import make_env
 
     env = make_env(cfg)
-    base = env.unwrapped
-    ids = geom_ids(base, geoms, cfg.env.id)
-    rng = np.random.default_rng(0)
+    ids = geom_ids(env.unwrapped, geoms, cfg.env.id)
     frames, pos, group = [], [], []
-    try:
-        for ep in range(episodes):
-            env.reset(seed=ep)
-            for _ in range(steps):
-                action = rng.uniform(env.action_space.low, env.action_space.high).astype(np.float32)
-                obs, _, terminated, truncated, _ = env.step(action)
+    try:  # every state after a step, the final one included
+        for ep, t, obs, xy, _ in random_action_states(env, ids, episodes, steps, first_seed=0):
+            if t:
                 frames.append(np.asarray(obs["pixels"]))
-                pos.append(np.concatenate([base.data.geom_xpos[i, :2] for i in ids]))
+                pos.append(xy)
                 group.append(ep)
-                if terminated or truncated:
-                    break
     finally:
         env.close()
     return np.stack(frames), np.array(pos, np.float32), np.array(group)

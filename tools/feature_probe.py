@@ -70,6 +70,16 @@ def geom_ids(base, geoms: list[str], env_id: str) -> list[int]:
     return ids
 
 
+def with_difference(pos: np.ndarray, geoms: list[str]) -> tuple[np.ndarray, list[str]]:
+    """Column names ``geom.x``, ``geom.y`` per geom; with two geoms also their difference (first
+    minus second: the vector a reaching policy needs) as two more columns."""
+    names = [f"{g}.{c}" for g in geoms for c in "xy"]
+    if len(geoms) == 2:
+        pos = np.c_[pos, pos[:, :2] - pos[:, 2:]]
+        names += [f"{geoms[0]}-{geoms[1]}.{c}" for c in "xy"]
+    return pos, names
+
+
 def random_action_states(env, ids: list[int], episodes: int, steps: int, first_seed: int):
     """Random-action episodes (actions uniform in the bounds, one numpy stream from seed 0), reset
     with seeds ``first_seed``, ``first_seed + 1``, ...: yields ``(episode, t, obs, xy, ended)``
@@ -145,10 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # visppo's UserError (bad checkpoint, config) is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    names = [f"{g}.{c}" for g in args.geoms for c in "xy"]
-    if len(args.geoms) == 2:
-        pos = np.c_[pos, pos[:, :2] - pos[:, 2:]]
-        names += [f"{args.geoms[0]}-{args.geoms[1]}.{c}" for c in "xy"]
+    pos, names = with_difference(pos, args.geoms)
     r2, rmse = ridge_probe(feats, pos, group, args.lam)
     print(f"{len(feats)} records from {args.episodes} episodes, {feats.shape[1]} features, "
           f"{'random init' if args.random_init else 'trained'}; held out: the last 25% of episodes")

@@ -22,8 +22,8 @@ checks the frames). ``--save`` writes the trained encoder's state dict, which
 run to start from).
 
 On DMC reacher-easy (fast look, README): the Nature CNN from 100 episodes memorises (training
-R^2 1.00) and generalises poorly to new episodes (fingertip 0.45-0.50, 0.69-0.70); from 400
-episodes 0.95, 0.93; from 100 episodes turned by ``rotate``, 0.98, 0.99.
+R^2 1.00) and generalises partly to new episodes (fingertip 0.69, 0.80); from 400 episodes
+0.95, 0.93; from 100 episodes turned by ``rotate``, 0.99, 0.99.
 """
 
 from __future__ import annotations
@@ -69,14 +69,6 @@ def turn_xy(targets, angles):
     return out
 
 
-def with_difference(pos: np.ndarray, geoms: list[str]) -> tuple[np.ndarray, list[str]]:
-    names = [f"{g}.{c}" for g in geoms for c in "xy"]
-    if len(geoms) == 2:
-        pos = np.c_[pos, pos[:, :2] - pos[:, 2:]]  # first minus second, as tools/feature_probe.py
-        names += [f"{geoms[0]}-{geoms[1]}.{c}" for c in "xy"]
-    return pos, names
-
-
 def fit(cfg, frames: np.ndarray, pos: np.ndarray, group: np.ndarray, updates: int, augment: str,
         report=print):
     """Train a fresh ``cfg.model.encoder`` and head on the training episodes; report R^2 every 1000
@@ -106,7 +98,7 @@ def fit(cfg, frames: np.ndarray, pos: np.ndarray, group: np.ndarray, updates: in
             want = (y[index] - mean) / std
             return (1 - ((pred - want) ** 2).mean(0) / want.var(0).clamp_min(1e-12)).numpy()
 
-    scores = (r2(train_idx[:2048]), r2(test_idx))
+    scores = None  # set at the last update (updates >= 1)
     for step in range(1, updates + 1):
         i = train_idx[torch.randint(0, len(train_idx), (64,), generator=gen)]
         xb, yb = x[i], y[i]
@@ -157,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # visppo's UserError (bad config) is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from feature_probe import with_difference
+
     pos, names = with_difference(pos, args.geoms)
     print(f"{len(frames)} records from {args.episodes} episodes ({time.perf_counter() - start:.0f} s); "
           f"encoder {cfg.model.encoder}, augment {args.augment}; R^2 per column: {', '.join(names)}", flush=True)

@@ -424,7 +424,7 @@ def _run_state_script(script: str) -> dict[str, str]:
     pytest.importorskip("dm_control", reason='needs pip install -e ".[dmc]"')
     env = {**os.environ, "MUJOCO_GL": "disable"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          cwd=TOOLS.parent, env=env)
+                          cwd=ROOT, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
     return env
 

@@ -542,6 +542,30 @@ def test_position_fit_learns_a_position_the_frames_show_and_not_one_they_hide():
     assert test_r2.max() < 0.3
 
 
+def test_position_fit_reconstruction_trains_the_encoder_without_labels_then_freezes_it():
+    import torch
+
+    from visppo.config import load_config
+    from visppo.encoders import build_pixel_encoder
+
+    tool = _tool("position_fit")
+    cfg = load_config(None, ["model.encoder=nature", "env.image_size=36", "model.feature_dim=64"])
+    frames, pos = _dot_frames(400)
+    losses = []
+    torch.manual_seed(0)
+    x = torch.from_numpy(frames)
+    tool.reconstruct(build_pixel_encoder("nature", (3, 36, 36), 64), x, torch.arange(320), 12, 600, None,
+                     torch.Generator().manual_seed(0), progress=losses.append, every=100)
+    first, last = (float(m.rsplit(" ", 1)[1]) for m in (losses[0], losses[-1]))
+    assert len(losses) == 6 and last < 0.5 * first, losses  # the reconstruction learns
+    group = np.arange(400) // 20
+    encoder, (_, test_r2) = tool.fit(cfg, frames, pos, group, 300, "none", report=lambda *a: None, recon_size=12,
+                                     recon_updates=600, progress=lambda msg: None)
+    assert test_r2.min() > 0.8, test_r2  # its frozen features hold the dot's position
+    assert not isinstance(encoder, torch.nn.Identity)  # --save writes the pixel encoder
+    assert all(not p.requires_grad for p in encoder.parameters())  # frozen for the head's stage
+
+
 def test_position_fit_turns_targets_with_the_frames():
     import torch
 

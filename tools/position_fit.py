@@ -1,7 +1,8 @@
 """Supervised fit: can an encoder learn the scene's positions from a config's frames, and from how much data?
 
     python tools/position_fit.py CONFIG --geoms finger target [--episodes 100] [--steps 100]
-        [--updates 3000] [--augment none|shift|rotate] [--save ENCODER.pt] [KEY=VALUE ...]
+        [--updates 3000] [--augment none|shift|rotate] [--save ENCODER.pt]
+        [--recon-size N [--recon-updates 3000]] [KEY=VALUE ...]
 
 ``tools/feature_probe.py`` asks what a trained policy's encoder holds; this asks what the
 config's encoder *can* hold when told. It records ``--episodes`` random-action episodes of
@@ -17,7 +18,13 @@ augmentations before a learning run.
 ``--augment rotate`` turns each training sample by a random angle (``model.augment=rotate``'s
 RandomRotate) and its target positions with it, about the world origin: only for a scene
 that camera 0 sees straight down its vertical axis, as DMC reacher (``tests/test_dmc.py``
-checks the frames). ``--save`` writes the trained encoder's state dict, which
+checks the frames).
+
+``--recon-size N`` asks what a label-free loss gives instead: the encoder first trains
+``--recon-updates`` steps on the trainer's reconstruction loss alone (``model.recon_size``'s
+decoder and loss: the frames average-pooled to NxN), is then frozen, and the head is fitted on
+its features; the held-out R^2 says how much of each position the reconstruction kept, against
+what labels give the same encoder. ``--save`` writes the trained encoder's state dict, which
 ``model.encoder_weights`` loads (a diagnostic: an encoder that holds the positions, for an RL
 run to start from).
 
@@ -70,9 +77,13 @@ def turn_xy(targets, angles):
 
 
 def fit(cfg, frames: np.ndarray, pos: np.ndarray, group: np.ndarray, updates: int, augment: str,
-        report=print):
+        report=print, recon_size: int = 0, recon_updates: int = 3000, progress=print):
     """Train a fresh ``cfg.model.encoder`` and head on the training episodes; report R^2 every 1000
-    updates; return the encoder and the last (train, held-out) R^2 per target column."""
+    updates; return the encoder and the last (train, held-out) R^2 per target column.
+
+    With ``recon_size`` the encoder first learns without labels, ``recon_updates`` steps of the
+    trainer's reconstruction loss alone at that size (``reconstruct``), and is then frozen: the
+    ``updates`` steps train the head only, on its features, to read what it kept."""
     import torch
     from torch import nn
 
@@ -87,10 +98,23 @@ def fit(cfg, frames: np.ndarray, pos: np.ndarray, group: np.ndarray, updates: in
     train_idx, test_idx = train.nonzero()[:, 0], (~train).nonzero()[:, 0]
     mean, std = y[train].mean(0), y[train].std(0).clamp_min(1e-6)
     encoder = build_pixel_encoder(cfg.model.encoder, tuple(x.shape[1:]), cfg.model.feature_dim)
+    encoder, x = encoder.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
     head = nn.Sequential(nn.Linear(encoder.out_dim, 256), nn.ReLU(), nn.Linear(256, y.shape[1]))
-    opt = torch.optim.Adam([*encoder.parameters(), *head.parameters()], lr=3e-4)
     aug = make_augmentation(augment, cfg.model.shift_pad, cfg.model.rotate_degrees)
     gen = torch.Generator().manual_seed(0)
+    trained = encoder  # what --save writes: with recon_size, the frozen pixel encoder, not the Identity below
+    if recon_size:
+        reconstruct(encoder, x, train_idx, recon_size, recon_updates, aug, gen, progress)
+        encoder.requires_grad_(False)
+        with torch.no_grad():  # frozen: its features once, and the head reads them (no augmentation left)
+            x = torch.cat([encoder(x[i:i + 512]) for i in range(0, len(x), 512)])
+        encoder, aug = nn.Identity(), None
+        from feature_probe import ridge_probe
+
+        r2, rmse = ridge_probe(x.numpy(), pos, group, test_fraction=HELD_OUT)
+        progress("linear read (feature_probe's ridge) held-out R^2 " + " ".join(f"{v:5.2f}" for v in r2)
+                 + ", error " + " ".join(f"{v:.3f}" for v in rmse))
+    opt = torch.optim.Adam([*encoder.parameters(), *head.parameters()], lr=3e-4)
 
     def r2(index: torch.Tensor) -> np.ndarray:
         with torch.no_grad():
@@ -114,7 +138,38 @@ def fit(cfg, frames: np.ndarray, pos: np.ndarray, group: np.ndarray, updates: in
         if step % 1000 == 0 or step == updates:
             scores = (r2(train_idx[:2048]), r2(test_idx))
             report(step, *scores)
-    return encoder, scores
+    return trained, scores
+
+
+def reconstruct(encoder, x, train_idx, size: int, updates: int, aug, gen, progress=print,
+                every: int = 1000) -> float:
+    """Train ``encoder`` with a decoder on the trainer's reconstruction loss alone (the policy's
+    auxiliary head and ``recon_loss``: the frames average-pooled to ``size``, in [0, 1], squared
+    error summed per sample), minibatch 64, Adam 3e-4; ``progress`` gets the mean loss of every
+    ``every`` updates, and the last such mean is returned."""
+    import torch
+    import torch.nn.functional as F
+
+    from visppo.policy import _aux_head
+
+    shape = (x.shape[1], size, size)
+    decoder = _aux_head(encoder.out_dim, 256, int(np.prod(shape)))
+    opt = torch.optim.Adam([*encoder.parameters(), *decoder.parameters()], lr=3e-4)
+    total, count, mean_loss = 0.0, 0, float("nan")
+    for step in range(1, updates + 1):
+        xb = x[train_idx[torch.randint(0, len(train_idx), (64,), generator=gen)]]
+        if aug is not None:
+            xb = aug.apply(xb, aug.draw(len(xb)))
+        target = F.adaptive_avg_pool2d(xb.float(), size) / 255.0
+        loss = (decoder(encoder(xb)).view(-1, *shape) - target).square().flatten(1).sum(1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        total, count = total + loss.item(), count + 1
+        if step % every == 0 or step == updates:
+            mean_loss, total, count = total / count, 0.0, 0
+            progress(f"reconstruction update {step:6d}: loss {mean_loss:.2f}")
+    return mean_loss
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,13 +181,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--updates", type=int, default=3000, help="Adam steps of minibatch 64")
     parser.add_argument("--augment", default="none", choices=("none", "shift", "rotate"))
     parser.add_argument("--save", default="", help="write the trained encoder's state dict here")
+    parser.add_argument("--recon-size", type=int, default=0,
+                        help="N > 0: the encoder learns by reconstructing the frames pooled to NxN, without labels, "
+                             "then is frozen and the head reads its features")
+    parser.add_argument("--recon-updates", type=int, default=3000, help="reconstruction steps (minibatch 64)")
     args, overrides = parser.parse_known_args(argv)
     overrides += [g for g in args.geoms if "=" in g]  # --geoms a b env.k=v: nargs="+" took the override too
     args.geoms = [g for g in args.geoms if "=" not in g]
     bad = [o for o in overrides if "=" not in o]
-    if bad or args.episodes < 2 or args.steps < 1 or args.updates < 1:
+    if bad or args.episodes < 2 or min(args.steps, args.updates, args.recon_updates) < 1 or args.recon_size < 0:
         why = (f"unknown arguments {' '.join(bad)} (only KEY=VALUE overrides)" if bad
-               else "--episodes must be >= 2, --steps and --updates >= 1")
+               else "--episodes must be >= 2, --steps, --updates and --recon-updates >= 1, --recon-size >= 0")
         print(f"error: {why}", file=sys.stderr)
         return 2
     import torch
@@ -160,7 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"update {step:6d} ({time.perf_counter() - start:4.0f} s)  train {fmt[0]}  held-out {fmt[1]}",
               flush=True)
 
-    encoder, _ = fit(cfg, frames, pos, group, args.updates, args.augment, report)
+    if args.recon_size > frames.shape[-1]:
+        print(f"error: --recon-size must be at most the frames' size, {frames.shape[-1]}", file=sys.stderr)
+        return 2
+    encoder, _ = fit(cfg, frames, pos, group, args.updates, args.augment, report, args.recon_size,
+                     args.recon_updates, progress=lambda msg: print(f"{msg} ({time.perf_counter() - start:.0f} s)",
+                                                                    flush=True))
     if args.save:
         torch.save(encoder.state_dict(), args.save)
         print(f"encoder state dict written to {args.save} (model.encoder_weights={args.save})")

@@ -108,6 +108,9 @@ def fit(cfg, frames: np.ndarray, pos: np.ndarray, group: np.ndarray, updates: in
         encoder.requires_grad_(False)
         with torch.no_grad():  # frozen: its features once, and the head reads them (no augmentation left)
             x = torch.cat([encoder(x[i:i + 512]) for i in range(0, len(x), 512)])
+        # standardised on the training part, as the ridge read's: an untrained spatial-softmax encoder's
+        # features vary across frames by about 1e-4, which Adam's head does not resolve in thousands of steps
+        x = (x - x[train_idx].mean(0)) / x[train_idx].std(0).clamp_min(1e-6)
         encoder, aug = nn.Identity(), None
         from feature_probe import ridge_probe
 

@@ -546,7 +546,6 @@ def test_position_fit_reconstruction_trains_the_encoder_without_labels_then_free
     import torch
 
     from visppo.config import load_config
-    from visppo.encoders import build_pixel_encoder
 
     tool = _tool("position_fit")
     cfg = load_config(None, ["model.encoder=nature", "env.image_size=36", "model.feature_dim=64"])
@@ -554,6 +553,19 @@ def test_position_fit_reconstruction_trains_the_encoder_without_labels_then_free
     losses = []
     torch.manual_seed(0)
     x = torch.from_numpy(frames)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 1,800 small steps: two threads beside a busy process can be 20x slower
+    try:
+        _reconstruction_checks(tool, cfg, frames, pos, x, losses)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reconstruction_checks(tool, cfg, frames, pos, x, losses) -> None:
+    import torch
+
+    from visppo.encoders import build_pixel_encoder
+
     tool.reconstruct(build_pixel_encoder("nature", (3, 36, 36), 64), x, torch.arange(320), 12, 600, None,
                      torch.Generator().manual_seed(0), progress=losses.append, every=100)
     first, last = (float(m.rsplit(" ", 1)[1]) for m in (losses[0], losses[-1]))

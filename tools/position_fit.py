@@ -38,8 +38,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling feature_probe, imported or run
 
 HELD_OUT = 0.2
 """Fraction of episodes (the last ones) held out."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from visppo.config import ModelConfig
-from visppo.policy import ActorCritic
+from visppo.policy import ActorCritic, recon_error, recon_target
 
 OBS = gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (3, 64, 64), np.uint8),
                        "state": gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)})
@@ -114,6 +114,26 @@ def test_reconstruction_error_is_the_decoders_squared_error_on_the_pooled_frames
     pred = pol.decoder(pol.encoder(obs)).view(6, 3, 8, 8)
     torch.testing.assert_close(err, (pred - blocks).square().sum((1, 2, 3)))
     assert ActorCritic(OBS, gym.spaces.Discrete(3), ModelConfig()).decoder is None
+
+
+def test_motion_target_adds_each_frames_change_scaled_and_the_decoder_predicts_it():
+    torch.manual_seed(0)
+    pixels = torch.randint(0, 256, (4, 9, 16, 16), dtype=torch.uint8)  # three stacked RGB frames
+    pooled = pixels.float().div(255).view(4, 9, 4, 4, 4, 4).mean((3, 5))  # 4x4 blocks by hand
+    torch.testing.assert_close(recon_target(pixels, 4), pooled)
+    moved = recon_target(pixels, 4, motion=3.0)
+    assert moved.shape == (4, 15, 4, 4)
+    torch.testing.assert_close(moved[:, :9], pooled)
+    torch.testing.assert_close(moved[:, 9:12], 3.0 * (pooled[:, 3:6] - pooled[:, 0:3]))  # middle minus oldest
+    torch.testing.assert_close(moved[:, 12:], 3.0 * (pooled[:, 6:9] - pooled[:, 3:6]))  # newest minus middle
+    still = pixels[:, :3].repeat(1, 3, 1, 1)  # nothing moved: the changes are 0 and add no error
+    assert recon_target(still, 4, motion=3.0)[:, 9:].abs().max() == 0
+    torch.testing.assert_close(recon_error(moved, moved + 0.5), torch.full((4,), 0.25 * 15 * 16))
+    space = gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (9, 16, 16), np.uint8)})
+    pol = ActorCritic(space, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(recon_size=4, recon_motion=3.0))
+    err = pol.score_actions_aux({"pixels": pixels}, torch.randn(4, 2))[3]["recon_loss"]
+    pred = pol.decoder(pol.encoder({"pixels": pixels})).view(4, 15, 4, 4)
+    torch.testing.assert_close(err, (pred - moved).square().sum((1, 2, 3)))
 
 
 def test_reconstruction_trains_the_encoder_even_with_a_detached_actor():

@@ -2,7 +2,7 @@
 
     python tools/position_fit.py CONFIG --geoms finger target [--episodes 100] [--steps 100]
         [--updates 3000] [--augment none|shift|rotate] [--save ENCODER.pt]
-        [--recon-size N [--recon-updates 3000]] [KEY=VALUE ...]
+        [--recon-size N [--recon-updates 3000] [--recon-motion M]] [KEY=VALUE ...]
 
 ``tools/feature_probe.py`` asks what a trained policy's encoder holds; this asks what the
 config's encoder *can* hold when told. It records ``--episodes`` random-action episodes of
@@ -80,7 +80,7 @@ def turn_xy(targets, angles):
 
 
 def fit(cfg, frames: np.ndarray, pos: np.ndarray, group: np.ndarray, updates: int, augment: str,
-        report=print, recon_size: int = 0, recon_updates: int = 3000, progress=print):
+        report=print, recon_size: int = 0, recon_updates: int = 3000, progress=print, recon_motion: float = 0.0):
     """Train a fresh ``cfg.model.encoder`` and head on the training episodes; report R^2 every 1000
     updates; return the encoder and the last (train, held-out) R^2 per target column.
 
@@ -107,7 +107,7 @@ def fit(cfg, frames: np.ndarray, pos: np.ndarray, group: np.ndarray, updates: in
     gen = torch.Generator().manual_seed(0)
     trained = encoder  # what --save writes: with recon_size, the frozen pixel encoder, not the Identity below
     if recon_size:
-        reconstruct(encoder, x, train_idx, recon_size, recon_updates, aug, gen, progress)
+        reconstruct(encoder, x, train_idx, recon_size, recon_updates, aug, gen, progress, motion=recon_motion)
         encoder.requires_grad_(False)
         with torch.no_grad():  # frozen: its features once, and the head reads them (no augmentation left)
             x = torch.cat([encoder(x[i:i + 512]) for i in range(0, len(x), 512)])
@@ -148,17 +148,16 @@ def fit(cfg, frames: np.ndarray, pos: np.ndarray, group: np.ndarray, updates: in
 
 
 def reconstruct(encoder, x, train_idx, size: int, updates: int, aug, gen, progress=print,
-                every: int = 1000) -> float:
+                every: int = 1000, motion: float = 0.0) -> float:
     """Train ``encoder`` with a decoder on the trainer's reconstruction loss alone (the policy's
-    auxiliary head and ``recon_loss``: the frames average-pooled to ``size``, in [0, 1], squared
-    error summed per sample), minibatch 64, Adam 3e-4; ``progress`` gets the mean loss of every
-    ``every`` updates, and the last such mean is returned."""
+    auxiliary head, ``recon_target`` at ``size`` with ``motion``, and ``recon_error``),
+    minibatch 64, Adam 3e-4; ``progress`` gets the mean loss of every ``every`` updates, and the
+    last such mean is returned."""
     import torch
-    import torch.nn.functional as F
 
-    from visppo.policy import _aux_head
+    from visppo.policy import _aux_head, recon_error, recon_target
 
-    shape = (x.shape[1], size, size)
+    shape = recon_target(x[:1], size, motion).shape[1:]
     decoder = _aux_head(encoder.out_dim, 256, int(np.prod(shape)))
     opt = torch.optim.Adam([*encoder.parameters(), *decoder.parameters()], lr=3e-4)
     total, count, mean_loss = 0.0, 0, float("nan")
@@ -166,8 +165,7 @@ def reconstruct(encoder, x, train_idx, size: int, updates: int, aug, gen, progre
         xb = x[train_idx[torch.randint(0, len(train_idx), (64,), generator=gen)]]
         if aug is not None:
             xb = aug.apply(xb, aug.draw(len(xb)))
-        target = F.adaptive_avg_pool2d(xb.float(), size) / 255.0
-        loss = (decoder(encoder(xb)).view(-1, *shape) - target).square().flatten(1).sum(1).mean()
+        loss = recon_error(decoder(encoder(xb)).view(-1, *shape), recon_target(xb, size, motion)).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -191,13 +189,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="N > 0: the encoder learns by reconstructing the frames pooled to NxN, without labels, "
                              "then is frozen and the head reads its features")
     parser.add_argument("--recon-updates", type=int, default=3000, help="reconstruction steps (minibatch 64)")
+    parser.add_argument("--recon-motion", type=float, default=0.0,
+                        help="M > 0: reconstruct each frame's change too, times M (model.recon_motion's target)")
     args, overrides = parser.parse_known_args(argv)
     overrides += [g for g in args.geoms if "=" in g]  # --geoms a b env.k=v: nargs="+" took the override too
     args.geoms = [g for g in args.geoms if "=" not in g]
     bad = [o for o in overrides if "=" not in o]
-    if bad or args.episodes < 2 or min(args.steps, args.updates, args.recon_updates) < 1 or args.recon_size < 0:
+    if (bad or args.episodes < 2 or min(args.steps, args.updates, args.recon_updates) < 1
+            or min(args.recon_size, args.recon_motion) < 0):
         why = (f"unknown arguments {' '.join(bad)} (only KEY=VALUE overrides)" if bad
-               else "--episodes must be >= 2, --steps, --updates and --recon-updates >= 1, --recon-size >= 0")
+               else "--episodes must be >= 2, --steps, --updates and --recon-updates >= 1, "
+                    "--recon-size and --recon-motion >= 0")
         print(f"error: {why}", file=sys.stderr)
         return 2
     import torch
@@ -225,12 +227,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"update {step:6d} ({time.perf_counter() - start:4.0f} s)  train {fmt[0]}  held-out {fmt[1]}",
               flush=True)
 
-    if args.recon_size > frames.shape[-1]:
-        print(f"error: --recon-size must be at most the frames' size, {frames.shape[-1]}", file=sys.stderr)
+    if args.recon_size > frames.shape[-1] or (args.recon_motion and frames.shape[1] < 6):
+        print(f"error: --recon-size must be at most the frames' size, {frames.shape[-1]}, and --recon-motion needs "
+              f"env.frame_stack >= 2", file=sys.stderr)
         return 2
     encoder, _ = fit(cfg, frames, pos, group, args.updates, args.augment, report, args.recon_size,
                      args.recon_updates, progress=lambda msg: print(f"{msg} ({time.perf_counter() - start:.0f} s)",
-                                                                    flush=True))
+                                                                    flush=True),
+                     recon_motion=args.recon_motion)
     if args.save:
         torch.save(encoder.state_dict(), args.save)
         print(f"encoder state dict written to {args.save} (model.encoder_weights={args.save})")

@@ -100,6 +100,8 @@ class ModelConfig:
     """Largest turn either way for augment=rotate, in degrees (180: any angle)."""
     recon_size: int = 0
     """0: off. N: a decoder (an MLP) reconstructs the stacked frames, average-pooled to NxN, from the actor encoder's features, an auxiliary loss (ppo.recon_coef) that keeps in the features what the RL losses would discard (SAC-AE, Yarats et al. 2019). DMC reacher-easy, 4 epochs, one seed, 500k: with 21 and recon_coef 1.0 the encoder kept the arm (tools/feature_probe.py) but the return fell, 28 vs 210 (README): off."""
+    recon_motion: float = 0.0
+    """With recon_size: 0 reconstructs the stacked frames only; M > 0 also each frame's change from the one before, times M, so what moved (the robot) weighs M^2 per pixel against the static scene, where a whole-frame loss spends itself on the background and a fixed target (DMC reacher-easy: reconstruction pins the target to 4 mm and loses the 3-pixel fingertip, tools/position_fit.py). Needs env.frame_stack >= 2."""
     invdyn: bool = False
     """An inverse-dynamics head (an MLP) predicts, from the actor encoder's features of the stacked frames, the action taken just before the newest frame (it moved the robot between the last two frames): an auxiliary loss (ppo.invdyn_coef) that makes the encoder keep what the agent's actions move, its own body, which reward-driven features can drop (DMC reacher-easy's encoder holds the target but not the fingertip, tools/feature_probe.py). There, with norm_value and invdyn_coef 1.0 (one seed, 500k), the encoder kept the fingertip (R^2 0.67, 0.62 vs 0.29, 0.24) and lost the target; return 217 vs 194 over 10 episodes (README): off. Continuous actions only; needs env.frame_stack >= 2."""
     reward_head: bool = False
@@ -646,6 +648,9 @@ def _validate_auxiliary(cfg: Config) -> None:
     if bool(m.recon_size) != bool(cfg.ppo.recon_coef):
         raise ConfigError("model.recon_size and ppo.recon_coef go together: set both (e.g. model.recon_size=32 "
                           "ppo.recon_coef=1.0) or neither")
+    if m.recon_motion < 0 or (m.recon_motion and (not m.recon_size or cfg.env.frame_stack < 2)):
+        raise ConfigError(f"model.recon_motion must be 0, or > 0 with model.recon_size set and env.frame_stack >= 2, "
+                          f"got {m.recon_motion} (recon_size {m.recon_size}, frame_stack {cfg.env.frame_stack})")
     if m.recon_size and cfg.ppo.drac_coef:
         raise ConfigError("model.recon_size and ppo.drac_coef cannot be combined yet: set one of them to 0")
     if cfg.ppo.invdyn_coef < 0:

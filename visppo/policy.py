@@ -44,6 +44,25 @@ def _mlp(in_dim: int, hidden: int, out_dim: int, out_gain: float) -> nn.Sequenti
                          _init(nn.Linear(hidden, out_dim), out_gain))
 
 
+def recon_target(pixels: torch.Tensor, size: int, motion: float = 0.0) -> torch.Tensor:
+    """What the reconstruction head predicts from uint8 stacked RGB frames ``[B, 3F, H, W]``: the
+    frames average-pooled to ``size`` x ``size``, in [0, 1]; with ``motion`` > 0 also each frame's
+    change from the one before it, times ``motion``. The change is zero except where something
+    moved, so it weights the robot's own body, a few pixels of a whole-frame loss (reacher's
+    fingertip is 3 pixels of 84x84), by ``motion`` squared against the static scene."""
+    target = F.adaptive_avg_pool2d(pixels.float(), size).div_(255.0)
+    if motion:
+        frames = target.unflatten(1, (-1, 3))
+        target = torch.cat([target, (frames[:, 1:] - frames[:, :-1]).flatten(1, 2).mul_(motion)], dim=1)
+    return target
+
+
+def recon_error(recon: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Each sample's squared error summed over its whole target (a sum, not a mean: its gradient on
+    a shared encoder must not vanish beside the value loss's, which is in return units)."""
+    return (recon.float() - target).square().flatten(1).sum(1)
+
+
 def _aux_head(in_dim: int, hidden: int, out_dim: int) -> nn.Sequential:
     """An auxiliary head (decoder, inverse dynamics, reward): one ReLU layer, PyTorch's default init."""
     return nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, out_dim))
@@ -85,7 +104,9 @@ class ActorCritic(nn.Module):
             self.register_buffer("value_count", torch.zeros((), dtype=torch.float64))
             self.register_buffer("value_mean", torch.zeros((), dtype=torch.float64))
             self.register_buffer("value_var", torch.ones((), dtype=torch.float64))
-        self.recon_shape = (pixel_shape[0], cfg.recon_size, cfg.recon_size)
+        self.recon_motion = cfg.recon_motion
+        channels = pixel_shape[0] + (pixel_shape[0] - 3 if cfg.recon_motion else 0)  # frames, then their changes
+        self.recon_shape = (channels, cfg.recon_size, cfg.recon_size)
         self.decoder = None
         if cfg.recon_size:  # an auxiliary head: the update only; never acts
             self.decoder = _aux_head(feat, cfg.hidden_dim, int(np.prod(self.recon_shape)))
@@ -219,9 +240,8 @@ class ActorCritic(nn.Module):
                           prev_reward: torch.Tensor | None = None):
         """``score_actions`` plus each sample's error on the auxiliary heads that are on, all reading
         the actor encoder's features (not detached, even with detach_actor), in float32:
-        ``recon_loss``: the decoder predicts the stacked frames average-pooled to model.recon_size, in
-        [0, 1]; the squared difference summed over that pooled image (a sum, not a mean: its gradient
-        on the shared encoder must not vanish beside the value loss's, which is in return units).
+        ``recon_loss``: the decoder predicts ``recon_target`` (the stacked frames average-pooled to
+        model.recon_size, with model.recon_motion their changes too); ``recon_error``.
         ``invdyn_loss`` (given ``prev_action``): the inverse-dynamics head predicts the action executed
         just before the newest frame; the squared difference summed over action dimensions.
         ``reward_loss`` (given ``prev_reward``): the reward head predicts the reward the step into the
@@ -230,13 +250,13 @@ class ActorCritic(nn.Module):
         target = None
         if self.decoder is not None:  # first: the frames' float copy is freed before the encoder's activations exist
             with torch.no_grad():
-                target = F.adaptive_avg_pool2d(obs["pixels"].float(), self.recon_shape[1:]).div_(255.0)
+                target = recon_target(obs["pixels"], self.recon_shape[-1], self.recon_motion)
         actor_feats, critic_feats, feats = self._features(obs)
         errors = {}
         if target is not None:
             recon = self.decoder(feats).float().view(-1, *self.recon_shape)
             with torch.autocast(recon.device.type, enabled=False):
-                errors["recon_loss"] = (recon - target).square().flatten(1).sum(1)
+                errors["recon_loss"] = recon_error(recon, target)
         if self.invdyn is not None and prev_action is not None:
             predicted = self.invdyn(feats).float()
             with torch.autocast(predicted.device.type, enabled=False):

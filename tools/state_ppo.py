@@ -33,6 +33,10 @@ must be. (Independent per step, where an encoder's error is a fixed function of 
 
 What it leaves out from the pixel learner: frames, frame stacking and the CNN, mixed precision,
 micro-batches, the optional knobs (value normalisation, augmentation, auxiliary losses).
+And its network is one layer deeper than the trainer's heads on their features: on reacher-easy
+(seed 1, std 1.0) its two tanh layers learn (875 at 500k) where one tanh layer before the same
+heads does not (94), as the trainer given the state does not (README, "The trainer given the
+exact state"): read its figures as what a deeper policy learns.
 """
 
 from __future__ import annotations

@@ -105,8 +105,9 @@ class ActorCritic(nn.Module):
             self.register_buffer("value_mean", torch.zeros((), dtype=torch.float64))
             self.register_buffer("value_var", torch.ones((), dtype=torch.float64))
         self.recon_motion = cfg.recon_motion
-        channels = pixel_shape[0] + (pixel_shape[0] - 3 if cfg.recon_motion else 0)  # frames, then their changes
-        self.recon_shape = (channels, cfg.recon_size, cfg.recon_size)
+        # the target's shape from recon_target itself (frames, then their changes with recon_motion): one source
+        self.recon_shape = tuple(recon_target(torch.zeros(1, *pixel_shape, dtype=torch.uint8),
+                                              max(cfg.recon_size, 1), cfg.recon_motion).shape[1:])
         self.decoder = None
         if cfg.recon_size:  # an auxiliary head: the update only; never acts
             self.decoder = _aux_head(feat, cfg.hidden_dim, int(np.prod(self.recon_shape)))

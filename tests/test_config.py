@@ -60,6 +60,7 @@ def test_round_trip_through_plain_dict():
     (["model.action_dist=beta", "model.final_log_std=-2"], "model.final_log_std"),
     (["model.noise_beta=3"], "model.noise_beta"),
     (["model.noise_beta=-0.5"], "model.noise_beta"),
+    (["model.shared_layers=-1"], "model.shared_layers"),
     (["model.action_dist=beta", "model.noise_beta=0.5"], "model.noise_beta"),
 ])
 def test_bad_values_are_refused_naming_the_key(overrides, key):

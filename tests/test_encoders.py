@@ -57,6 +57,25 @@ def test_state_branch_concatenates():
     assert out.shape == (3, 40) and enc.out_dim == 40
 
 
+def test_shared_layers_are_orthogonal_tanh_layers_over_pixels_and_state_together():
+    torch.manual_seed(0)
+    enc = ObsEncoder((6, 64, 64), 5, 32, 8, shared_layers=2, shared_dim=16)
+    assert enc.out_dim == 16 and [m.weight.shape for m in enc.shared[::2]] == [(16, 40), (16, 16)]
+    square = enc.shared[2].weight
+    torch.testing.assert_close(square @ square.T, 2.0 * torch.eye(16), rtol=0, atol=1e-5)  # orthogonal, gain sqrt 2
+    assert all(m.bias.abs().sum() == 0 for m in enc.shared[::2])
+    obs = {"pixels": torch.randint(0, 256, (3, 6, 64, 64), dtype=torch.uint8), "state": torch.randn(3, 5)}
+    obs["state"].requires_grad_(True)
+    out = enc(obs)
+    assert out.shape == (3, 16) and out.abs().max() < 1  # the last layer's tanh
+    plain = ObsEncoder((6, 64, 64), 5, 32, 8)
+    plain.load_state_dict({k: v for k, v in enc.state_dict().items() if not k.startswith("shared.")})
+    torch.testing.assert_close(out, enc.shared(plain(obs)))  # the layers read the concatenated features
+    out.sum().backward()
+    assert obs["state"].grad.abs().sum() > 0 and enc.pixels.convs[0].weight.grad.abs().sum() > 0
+    assert not any(k.startswith("shared.") for k in plain.state_dict())  # 0 layers: old checkpoints' keys
+
+
 def test_samples_are_independent_of_their_batch():
     """No layer mixes samples: a sample's features do not depend on the others."""
     enc = ObsEncoder((3, 64, 64), 2, 16, 8)

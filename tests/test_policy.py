@@ -51,6 +51,22 @@ def test_shared_or_separate_critic_encoder(share):
     assert reached == share and n_enc > 0
 
 
+def test_shared_layers_feed_both_heads_and_both_losses_train_them():
+    torch.manual_seed(0)
+    pol = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,)), ModelConfig(shared_layers=2, hidden_dim=32))
+    assert pol.actor[0].in_features == 32 and pol.critic[0].in_features == 32
+    obs, action = _obs(), torch.zeros(6, 2)
+    logp, _, value = pol.score_actions(obs, action)
+    first = pol.encoder.shared[0].weight
+    logp.sum().backward(retain_graph=True)
+    from_actor = first.grad.clone()
+    pol.zero_grad()
+    value.sum().backward()
+    assert from_actor.abs().sum() > 0 and first.grad.abs().sum() > 0
+    separate = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,)), ModelConfig(shared_layers=1, share_encoder=False))
+    assert separate.critic_encoder.shared is not separate.encoder.shared  # the critic's encoder has its own
+
+
 def test_detached_actor_leaves_the_encoder_to_the_critic():
     torch.manual_seed(0)
     plain = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,)), ModelConfig())

@@ -45,6 +45,7 @@ def memory_needs(cfg: Config, buffer_device: torch.device, device: torch.device)
     side = m.resize or e.image_size
     weights = 4 * m.hidden_dim ** 2 + (2 * m.hidden_dim + 64 * (side // 8) ** 2) * m.feature_dim
     weights += m.state_hidden_dim * (m.hidden_dim + m.feature_dim) if e.state else 0
+    weights += m.shared_layers * m.hidden_dim * max(m.hidden_dim, m.feature_dim + m.state_hidden_dim)
     return [("the rollout buffer", p.num_steps * p.num_envs * (frame + 64), buffer_device,
              ("ppo.num_steps", "ppo.num_envs", "env.image_size", "env.frame_stack")),
             ("the envs' frames", 4 * p.num_envs * frame, torch.device("cpu"),

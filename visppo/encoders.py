@@ -344,12 +344,26 @@ def build_pixel_encoder(name: str, pixel_shape: tuple[int, int, int], feature_di
     raise ValueError(f"unknown encoder {name!r}: use one of {', '.join(ENCODERS)}")
 
 
+def tanh_layers(in_dim: int, width: int, count: int) -> nn.Sequential:
+    """``count`` Linear -> Tanh layers of ``width``, orthogonal at gain sqrt(2), zero bias (CleanRL's MLP)."""
+    layers: list[nn.Module] = []
+    for _ in range(count):
+        linear = nn.Linear(in_dim, width)
+        nn.init.orthogonal_(linear.weight, 2 ** 0.5)
+        nn.init.zeros_(linear.bias)
+        layers += [linear, nn.Tanh()]
+        in_dim = width
+    return nn.Sequential(*layers)
+
+
 class ObsEncoder(nn.Module):
-    """Pixels through a CNN, optional proprioceptive state through an MLP, concatenated."""
+    """Pixels through a CNN, optional proprioceptive state through an MLP, concatenated; then
+    ``shared_layers`` tanh layers of ``shared_dim`` over the concatenation (model.shared_layers):
+    a trunk that both the actor's and the critic's losses train, before their own heads."""
 
     def __init__(self, pixel_shape: tuple[int, int, int], state_dim: int, feature_dim: int,
                  state_hidden_dim: int, encoder: str = "nature", resize: int = 0,
-                 checkpointing: bool = False):
+                 checkpointing: bool = False, shared_layers: int = 0, shared_dim: int = 256):
         super().__init__()
         self.pixels = build_pixel_encoder(encoder, tuple(pixel_shape), feature_dim, resize, checkpointing)
         self.state = None
@@ -357,6 +371,10 @@ class ObsEncoder(nn.Module):
         if state_dim:
             self.state = nn.Sequential(nn.Linear(state_dim, state_hidden_dim), nn.Tanh())
             self.out_dim += state_hidden_dim
+        self.shared = None
+        if shared_layers:
+            self.shared = tanh_layers(self.out_dim, shared_dim, shared_layers)
+            self.out_dim = shared_dim
 
     def trunk_parameters(self) -> list[nn.Parameter]:
         """The pixel trunk's parameters: what pretrained weights fill, freezing freezes, lr scaling scales."""
@@ -366,7 +384,7 @@ class ObsEncoder(nn.Module):
         feats = self.pixels(obs["pixels"])
         if self.state is not None:
             feats = torch.cat([feats, self.state(obs["state"].float()).to(feats.dtype)], dim=-1)
-        return feats
+        return feats if self.shared is None else self.shared(feats)
 
 
 # --------------------------------------------------------------------------- fine-tuning controls

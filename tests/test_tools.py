@@ -594,7 +594,9 @@ def test_position_fit_runs_on_a_config_and_refuses_bad_input(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fingertip-target.x" in proc.stdout and "held-out" in proc.stdout, proc.stdout
     assert (tmp_path / "enc.pt").is_file()
-    for args, needle in ((["--geoms", "nosuch"], "no geom nosuch"), (["--geoms", "target", "bogus"], "bogus")):
+    for args, needle in ((["--geoms", "nosuch"], "no geom nosuch"), (["--geoms", "target", "bogus"], "bogus"),
+                         (["--geoms", "target", "--recon-size", "999"], "--recon-size must be at most env.image_size"),
+                         (["--geoms", "target", "--recon-motion", "2", "env.frame_stack=1"], "--recon-motion needs env.frame_stack")):
         bad = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert bad.returncode == 2 and bad.stderr.startswith("error:") and needle in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -212,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         cfg = load_config(args.config, overrides)
+        if args.recon_size > cfg.env.image_size:
+            raise ValueError(f"--recon-size must be at most env.image_size, {cfg.env.image_size}")
+        if args.recon_motion and cfg.env.frame_stack < 2:
+            raise ValueError("--recon-motion needs env.frame_stack >= 2 (a frame's change from the one before)")
         frames, pos, group = record(cfg, args.geoms, args.episodes, args.steps)
     except (ValueError, OSError) as exc:  # visppo's UserError (bad config) is a ValueError
         print(f"error: {exc}", file=sys.stderr)
@@ -227,10 +231,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"update {step:6d} ({time.perf_counter() - start:4.0f} s)  train {fmt[0]}  held-out {fmt[1]}",
               flush=True)
 
-    if args.recon_size > frames.shape[-1] or (args.recon_motion and frames.shape[1] < 6):
-        print(f"error: --recon-size must be at most the frames' size, {frames.shape[-1]}, and --recon-motion needs "
-              f"env.frame_stack >= 2", file=sys.stderr)
-        return 2
     encoder, _ = fit(cfg, frames, pos, group, args.updates, args.augment, report, args.recon_size,
                      args.recon_updates, progress=lambda msg: print(f"{msg} ({time.perf_counter() - start:.0f} s)",
                                                                     flush=True),

@@ -411,6 +411,29 @@ def test_episode_trace_plays_episodes_and_reads_the_distance(tmp_path):
         assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
+STATE_LAYERS = """
+import runpy, torch
+m = runpy.run_path("tools/state_ppo.py", run_name="state_ppo")
+torch.manual_seed(0)
+two = m["StatePolicy"](6, 2)
+torch.manual_seed(0)
+first, second = m["_layer"](6, 256, 2 ** 0.5), m["_layer"](256, 256, 2 ** 0.5)
+assert torch.equal(two.encoder[0].weight, first.weight) and torch.equal(two.encoder[2].weight, second.weight)
+three = m["StatePolicy"](6, 2, layers=3)
+assert [l.in_features for l in three.encoder[::2]] == [6, 256, 256] and len(two.encoder) == 4
+dist, value = three(torch.randn(5, 6))
+assert dist.mean.shape == (5, 2) and value.shape == (5,)
+print("ok")
+"""
+
+
+def test_state_ppo_layers_sets_the_shared_trunks_depth_and_two_keeps_its_draws():
+    env = _run_state_script(STATE_LAYERS)
+    bad = subprocess.run([sys.executable, str(TOOLS / "state_ppo.py"), "dmc:reacher-easy", "--layers", "0"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert bad.returncode == 2 and bad.stderr.startswith("error:") and "--layers" in bad.stderr, bad.stderr
+
+
 def test_state_ppo_refuses_an_id_that_is_not_deepmind_control():
     proc = subprocess.run([sys.executable, str(TOOLS / "state_ppo.py"), "visppo/Reach-v0"],
                           capture_output=True, text=True, timeout=120)

@@ -1,7 +1,7 @@
 """PPO from the state vector on a DeepMind Control task: is a pixel task's gap the RL or the vision?
 
     python tools/state_ppo.py dmc:reacher-easy [--steps 500000] [--seed 1] [--lr 3e-4]
-        [--epochs 10] [--num-envs 8] [--num-steps 128] [--minibatch 256] [--init-log-std -0.5]
+        [--epochs 10] [--num-envs 8] [--num-steps 128] [--minibatch 256] [--init-log-std -0.5] [--layers 2]
         [--eval-every 50000] [--drop KEY ...] [--add-geom NAME ...] [--noise-beta B] [--blur KEY=STD ...]
         [--json F]
 
@@ -119,10 +119,14 @@ class StatePolicy(nn.Module):
     """visppo's ActorCritic with an MLP where the CNN was: shared features, one hidden layer per head,
     the actor's last layer at gain 0.01, a learned state-independent log-std."""
 
-    def __init__(self, obs_dim: int, action_dim: int, hidden: int = 256, init_log_std: float = -0.5) -> None:
+    def __init__(self, obs_dim: int, action_dim: int, hidden: int = 256, init_log_std: float = -0.5,
+                 layers: int = 2) -> None:
         super().__init__()
         root2 = 2 ** 0.5
-        self.encoder = nn.Sequential(_layer(obs_dim, hidden, root2), nn.Tanh(), _layer(hidden, hidden, root2), nn.Tanh())
+        trunk: list[nn.Module] = []
+        for i in range(layers):  # the shared trunk: tanh layers that actor and critic both train
+            trunk += [_layer(obs_dim if i == 0 else hidden, hidden, root2), nn.Tanh()]
+        self.encoder = nn.Sequential(*trunk)
         self.actor = nn.Sequential(_layer(hidden, hidden, root2), nn.Tanh(), _layer(hidden, action_dim, 0.01))
         self.critic = nn.Sequential(_layer(hidden, hidden, root2), nn.Tanh(), _layer(hidden, 1, 1.0))
         self.log_std = nn.Parameter(torch.full((action_dim,), float(init_log_std)))
@@ -203,7 +207,7 @@ def train(args: argparse.Namespace) -> list[dict]:
     envs = [StateEnv(args.env_id, args.seed * 1000 + i, args.action_repeat, args.drop, args.add_geom, args.blur)
             for i in range(args.num_envs)]
     obs = np.stack([env.reset() for env in envs])
-    policy = StatePolicy(obs.shape[1], envs[0].action_dim, init_log_std=args.init_log_std)
+    policy = StatePolicy(obs.shape[1], envs[0].action_dim, init_log_std=args.init_log_std, layers=args.layers)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr, eps=1e-5)
     iterations = max(1, args.steps // (args.num_envs * args.num_steps))
     finished: list[float] = []
@@ -242,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gamma", type=float, default=0.99)
     p.add_argument("--gae-lambda", type=float, default=0.95)
     p.add_argument("--init-log-std", type=float, default=-0.5)
+    p.add_argument("--layers", type=int, default=2, help="shared tanh layers of 256 before the heads' own layer")
     p.add_argument("--action-repeat", type=int, default=2)
     p.add_argument("--eval-every", type=int, default=50_000, help="agent steps between evaluations")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -258,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
         args.blur = {k: float(v) for k, v in (item.split("=", 1) for item in args.blur)}
     except ValueError:
         p.exit(2, f"error: --blur takes KEY=STD pairs such as to_target=0.03, got {' '.join(args.blur)}\n")
+    if args.layers < 1:
+        p.exit(2, f"error: --layers must be at least 1, got {args.layers}\n")
     if not dmc.is_dmc_id(args.env_id):
         p.exit(2, f"error: {args.env_id!r} is not a DeepMind Control id: give one such as dmc:reacher-easy\n")
     try:

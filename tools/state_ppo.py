@@ -36,7 +36,9 @@ micro-batches, the optional knobs (value normalisation, augmentation, auxiliary 
 And its network is one layer deeper than the trainer's heads on their features: on reacher-easy
 (seed 1, std 1.0) its two tanh layers learn (875 at 500k) where one tanh layer before the same
 heads does not (94), as the trainer given the state does not (README, "The trainer given the
-exact state"): read its figures as what a deeper policy learns.
+exact state"): read its figures as what a deeper policy learns. ``--layers`` sets the shared
+trunk's depth: on reacher-easy (std 1.0, 300k) three layers learned on 4 of 4 draws, the default
+two on 4 of 6, one on 0 of 3 (README, "From the state, a deeper shared trunk").
 """
 
 from __future__ import annotations

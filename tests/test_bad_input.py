@@ -369,6 +369,7 @@ def test_fuzz_every_config_starts_a_run_or_is_one_error_line(tmp_path, capsys, m
             code, err = run_main(capsys, *args)
         except _Started:
             outcomes["started"] += 1
+            capsys.readouterr()  # the started run's progress bar: not the next case's stderr
             continue
         finally:
             torch.set_num_threads(threads)  # train.threads may have been fuzzed

@@ -59,6 +59,7 @@ os.environ["MUJOCO_GL"] = "disable"  # nothing is rendered; dm_control then load
 
 from envs import dmc  # noqa: E402
 from visppo.buffer import compute_gae  # noqa: E402
+from visppo.encoders import tanh_layers  # noqa: E402
 from visppo.noise import ColoredNoise  # noqa: E402
 from visppo.ppo import ppo_loss  # noqa: E402
 
@@ -125,10 +126,7 @@ class StatePolicy(nn.Module):
                  layers: int = 2) -> None:
         super().__init__()
         root2 = 2 ** 0.5
-        trunk: list[nn.Module] = []
-        for i in range(layers):  # the shared trunk: tanh layers that actor and critic both train
-            trunk += [_layer(obs_dim if i == 0 else hidden, hidden, root2), nn.Tanh()]
-        self.encoder = nn.Sequential(*trunk)
+        self.encoder = tanh_layers(obs_dim, hidden, layers)  # the shared trunk, model.shared_layers' shape
         self.actor = nn.Sequential(_layer(hidden, hidden, root2), nn.Tanh(), _layer(hidden, action_dim, 0.01))
         self.critic = nn.Sequential(_layer(hidden, hidden, root2), nn.Tanh(), _layer(hidden, 1, 1.0))
         self.log_std = nn.Parameter(torch.full((action_dim,), float(init_log_std)))

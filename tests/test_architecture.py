@@ -17,7 +17,7 @@ LAYERS = [
     {"policy"},
     {"builders", "rollout"},
     {"ppo"},
-    {"evaluate", "probe", "bench", "plot"},
+    {"evaluate", "probe", "bench", "plot", "health"},
     {"train"},
     {"cli", "__main__", "__init__"},
 ]

@@ -28,7 +28,7 @@ import torch
 
 from visppo import checkpoint as ckpt_io
 from visppo import distributed
-from visppo.buffer import ReturnScale, RolloutBuffer, compute_gae, explained_variance
+from visppo.buffer import ReturnScale, RolloutBuffer, compute_gae, explained_variance, obs_of
 from visppo.builders import (
     anneal_lr,
     build_optimizer,
@@ -42,6 +42,7 @@ from visppo.config import Config, ConfigError, RunError, Stopped, to_yaml
 from visppo.encoders import FreezeSchedule
 from visppo.envs import check_env_id, make_vector_env
 from visppo.evaluate import run_episodes
+from visppo.health import PROBE_SAMPLES, activation_health, probe_index
 from visppo.metrics import Logger, PhaseTimer, iteration_profiler
 from visppo.noise import NOISE_SEQUENCE_STEPS, ColoredNoise
 from visppo.policy import ActorCritic
@@ -409,10 +410,19 @@ def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult, va
     warn_if_flat_critic(run, value_fit)
     if run.logger is not None:
         if iteration % run.cfg.run.log_every == 0 or last:
+            scalars.update(health_scalars(run))
             run.logger.log(run.global_step, scalars)
         run.logger.progress(run.global_rollout, progress_line(scalars))
     if run.profiler is not None:
         run.profiler.step()  # one profiler step per iteration
+
+
+def health_scalars(run: Run) -> dict[str, float]:
+    """Dead features and saturated tanh units (visppo.health) on samples spread over this rollout,
+    after the update: what the next rollout's policy is."""
+    batch = run.buffer.gather(probe_index(run.buffer.size, min(PROBE_SAMPLES, run.setup.sizes.chunk)), run.device)
+    with run.setup.precision.autocast():
+        return activation_health(run.policy, obs_of(batch), batch["actions"])
 
 
 def check_divergence(run: Run, result: UpdateResult) -> None:

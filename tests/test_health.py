@@ -1,0 +1,62 @@
+import math
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from visppo.config import ModelConfig
+from visppo.health import activation_health, probe_index
+from visppo.policy import ActorCritic
+
+PIXELS = gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (3, 64, 64), np.uint8)})
+ACTIONS = gym.spaces.Box(-1, 1, (2,), np.float32)
+
+
+def _policy(**model) -> ActorCritic:
+    torch.manual_seed(0)
+    return ActorCritic(PIXELS, ACTIONS, ModelConfig(encoder="nature", **model))
+
+
+def _batch(n=64):
+    torch.manual_seed(1)
+    return {"pixels": torch.randint(0, 256, (n, 3, 64, 64), dtype=torch.uint8)}, torch.randn(n, 2)
+
+
+def test_a_fresh_policy_is_healthy():
+    h = activation_health(_policy(), *_batch())
+    assert h["health/saturated_actor"] < 0.05 and h["health/saturated_critic"] < 0.05
+    assert h["health/dead_features"] < 0.5
+    assert math.isnan(h["health/saturated_encoder"]), "the Nature CNN's features are ReLU: no tanh to count"
+
+
+def test_grown_features_saturate_both_heads():
+    """Features grown large (what a value loss in return units can pull them to) push nearly
+    every tanh unit of both heads past 0.99."""
+    pol = _policy()
+    with torch.no_grad():
+        pol.encoder.pixels.proj[0].weight.mul_(1e4)
+        pol.encoder.pixels.proj[0].bias.fill_(100.0)  # every unit fires: none dead, all large
+    h = activation_health(pol, *_batch())
+    assert h["health/saturated_actor"] > 0.9 and h["health/saturated_critic"] > 0.9
+
+
+def test_dead_features_are_counted_exactly():
+    pol = _policy()
+    with torch.no_grad():
+        pol.encoder.pixels.proj[0].bias[:64] = -10.0  # 64 of 256 ReLUs never fire on any frame
+        pol.encoder.pixels.proj[0].bias[64:] = 10.0  # the rest always fire (and vary with the frame)
+    assert activation_health(pol, *_batch())["health/dead_features"] == 64 / 256
+
+
+def test_the_encoder_part_counts_shared_tanh_layers_and_hooks_are_removed():
+    pol = _policy(shared_layers=2)
+    h = activation_health(pol, *_batch())
+    assert 0.0 <= h["health/saturated_encoder"] < 0.05
+    assert h["health/dead_features"] == 0.0, "tanh features vary with every frame"
+    assert all(not m._forward_hooks for m in pol.modules()), "the probe leaves no hook behind"
+
+
+def test_probe_index_spreads_over_the_rollout():
+    idx = probe_index(1024, 256)
+    assert len(idx) == 256 and idx[0] == 0 and idx[-1] == 1023 and (idx.diff() > 0).all()
+    assert probe_index(10, 256).tolist() == list(range(10))

@@ -60,3 +60,19 @@ def test_probe_index_spreads_over_the_rollout():
     idx = probe_index(1024, 256)
     assert len(idx) == 256 and idx[0] == 0 and idx[-1] == 1023 and (idx.diff() > 0).all()
     assert probe_index(10, 256).tolist() == list(range(10))
+
+
+def test_a_gaussian_mean_beyond_the_bounds_is_counted():
+    """The env clips a Gaussian's samples: a mean past the bound is a torque pinned at its limit."""
+    pol = _policy()
+    with torch.no_grad():
+        pol.actor[-1].weight.zero_()
+        pol.actor[-1].bias.copy_(torch.tensor([-2.2, 0.5]))  # first action pinned, second inside
+    h = activation_health(pol, *_batch(), action_space=ACTIONS)
+    assert h["health/mean_out_of_bounds"] == 0.5
+    wide = gym.spaces.Box(np.array([-3.0, -np.inf]), np.array([3.0, np.inf]), dtype=np.float32)
+    assert activation_health(pol, *_batch(), action_space=wide)["health/mean_out_of_bounds"] == 0.0, \
+        "unbounded dimensions are left out, the bounded one is inside"
+    assert math.isnan(activation_health(pol, *_batch())["health/mean_out_of_bounds"]), "no bounds given"
+    assert math.isnan(activation_health(_policy(action_dist="beta"), *_batch(),
+                                        action_space=ACTIONS)["health/mean_out_of_bounds"]), "a Beta stays inside"

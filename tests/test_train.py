@@ -48,7 +48,8 @@ def test_run_directory_layout(tmp_path):
     assert [p.name for p in (run_dir / "videos").iterdir()] == ["iter_000002.mp4"]
     assert rows[0]["eval/return"] == "nan" and rows[-1]["eval/return"] != "nan"
     assert all(float(r["value/explained_variance"]) <= 1.0 for r in rows)
-    for key in ("health/dead_features", "health/saturated_actor", "health/saturated_critic"):
+    for key in ("health/dead_features", "health/saturated_actor", "health/saturated_critic",
+                "health/mean_out_of_bounds"):
         assert all(0.0 <= float(r[key]) <= 1.0 for r in rows), key
 
 

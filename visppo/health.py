@@ -12,12 +12,19 @@ and 95% of both heads' tanh units past 0.99 in magnitude. These numbers make tha
 on every sample of the probe batch (a ReLU that never fires). ``health/saturated_<part>``: the
 fraction of tanh outputs with ``|y| > SATURATED`` in the actor head, the critic head, and the
 encoders (shared trunk, state branch, a LayerNorm-tanh projection); NaN where a part has no tanh.
+``health/mean_out_of_bounds``: for a Gaussian policy over bounded actions, the fraction of the
+mean's entries beyond the bounds. The env clips the samples, so there nearly every sample acts
+the same and the mean gets almost no gradient back: a torque pinned at its limit (on DMC
+reacher-easy, an arm spinning through the targets instead of stopping on them; README). NaN for
+categorical and Beta policies, which cannot leave the bounds.
 """
 
 from __future__ import annotations
 
 import math
 
+import gymnasium as gym
+import numpy as np
 import torch
 from torch import nn
 
@@ -44,11 +51,14 @@ def _part(module_name: str) -> str:
 
 
 @torch.no_grad()
-def activation_health(policy: ActorCritic, obs: dict[str, torch.Tensor], actions: torch.Tensor) -> dict[str, float]:
+def activation_health(policy: ActorCritic, obs: dict[str, torch.Tensor], actions: torch.Tensor,
+                      action_space: gym.Space | None = None) -> dict[str, float]:
     """The ``health/...`` scalars of ``policy`` on a batch of observations (and the actions taken
-    there, which ``score_actions`` needs to run both heads)."""
+    there, which ``score_actions`` needs to run both heads); ``action_space`` gives the bounds
+    ``health/mean_out_of_bounds`` measures the Gaussian's mean against."""
     saturated: dict[str, list[torch.Tensor]] = {part: [] for part in PARTS}
     features: list[torch.Tensor] = []
+    means: list[torch.Tensor] = []
 
     def count(name: str):
         def hook(module: nn.Module, inputs, output: torch.Tensor) -> None:
@@ -57,6 +67,7 @@ def activation_health(policy: ActorCritic, obs: dict[str, torch.Tensor], actions
 
     hooks = [m.register_forward_hook(count(name)) for name, m in policy.named_modules() if isinstance(m, nn.Tanh)]
     hooks.append(policy.encoder.register_forward_hook(lambda m, i, out: features.append(out.float())))
+    hooks.append(policy.actor.register_forward_hook(lambda m, i, out: means.append(out.float())))
     try:
         policy.score_actions(obs, actions)
     finally:
@@ -67,4 +78,16 @@ def activation_health(policy: ActorCritic, obs: dict[str, torch.Tensor], actions
     for part in PARTS:
         flags = saturated.get(part) or []
         out[f"health/saturated_{part}"] = float(torch.cat(flags).float().mean()) if flags else math.nan
+    out["health/mean_out_of_bounds"] = _out_of_bounds(policy, means[0], action_space)
     return out
+
+
+def _out_of_bounds(policy: ActorCritic, mean: torch.Tensor, space: gym.Space | None) -> float:
+    """The fraction of a Gaussian mean's entries outside ``space``'s finite bounds (NaN if none apply)."""
+    if policy.discrete or policy.beta or not isinstance(space, gym.spaces.Box):
+        return math.nan
+    low = torch.as_tensor(np.asarray(space.low, np.float32).reshape(-1))
+    high = torch.as_tensor(np.asarray(space.high, np.float32).reshape(-1))
+    outside = (mean < low) | (mean > high)
+    finite = torch.isfinite(low) & torch.isfinite(high)
+    return float(outside[:, finite].float().mean()) if bool(finite.any()) else math.nan

@@ -418,11 +418,12 @@ def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult, va
 
 
 def health_scalars(run: Run) -> dict[str, float]:
-    """Dead features and saturated tanh units (visppo.health) on samples spread over this rollout,
-    after the update: what the next rollout's policy is."""
+    """Dead features, saturated tanh units and a Gaussian's mean beyond the action bounds
+    (visppo.health) on samples spread over this rollout, after the update: the next rollout's policy."""
     batch = run.buffer.gather(probe_index(run.buffer.size, min(PROBE_SAMPLES, run.setup.sizes.chunk)), run.device)
     with run.setup.precision.autocast():
-        return activation_health(run.policy, obs_of(batch), batch["actions"])
+        return activation_health(run.policy, obs_of(batch), batch["actions"],
+                                 run.envs.single_action_space)
 
 
 def check_divergence(run: Run, result: UpdateResult) -> None:

@@ -62,6 +62,8 @@ def test_round_trip_through_plain_dict():
     (["model.noise_beta=-0.5"], "model.noise_beta"),
     (["model.shared_layers=-1"], "model.shared_layers"),
     (["model.action_dist=beta", "model.noise_beta=0.5"], "model.noise_beta"),
+    (["model.keypoint_norm=-1"], "model.keypoint_norm"),
+    (["model.encoder=nature", "model.keypoint_norm=64"], "model.keypoint_norm"),
 ])
 def test_bad_values_are_refused_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -82,6 +82,8 @@ class EnvConfig:
 class ModelConfig:
     encoder: str = "spatial_softmax"
     """Image encoder: spatial_softmax | nature | impala | drq (CNNs from scratch; drq keeps a 35x35 map at 84x84, DrQ-v2's encoder; spatial_softmax outputs keypoint positions: on Reach 100% from 40k steps, the Nature CNN 87% at 100k; README) | resnet18 | resnet34 | resnet50 | mobilenet_v3_small | efficientnet_b0 (torchvision)."""
+    keypoint_norm: int = 0
+    """0: off. N (spatial_softmax only): each keypoint coordinate is standardised by its mean and std over the first N frames the policy acts on, then fixed and saved with the weights. An untrained spatial softmax is nearly uniform, so its keypoints barely move (DMC reacher-easy: by 3e-4 across frames) and the heads cannot read them; standardised, they hold the target and the fingertip (linear R^2 0.97, 0.80). For a frozen random trunk (freeze_encoder_updates); README."""
     encoder_weights: str = "none"
     """none | imagenet (torchvision's file in $TORCH_HOME/hub/checkpoints, never downloaded) | PATH (torchvision state dict or visppo checkpoint)."""
     freeze_encoder_updates: int = 0
@@ -527,7 +529,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"memory.micro_batch_size must be >= 0 (or auto), got {cfg.memory.micro_batch_size}")
     for key in ("ppo.entropy_coef", "ppo.target_kl", "ppo.max_grad_norm",
                 "env.max_episode_steps", "train.threads", "train.max_bad_steps", "model.freeze_encoder_updates",
-                "model.shared_layers", "run.keep_checkpoints", "ppo.value_coef", "ppo.clip_coef", "run.eval_every"):
+                "model.shared_layers", "model.keypoint_norm", "run.keep_checkpoints", "ppo.value_coef", "ppo.clip_coef", "run.eval_every"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(getattr(cfg, section), name)}")
@@ -608,6 +610,9 @@ def _validate_finetuning(cfg: Config) -> None:
         raise ConfigError(f"model.encoder_lr_scale must be >= 0, got {m.encoder_lr_scale}")
     if m.resize < 0:
         raise ConfigError(f"model.resize must be >= 0 (0: off), got {m.resize}")
+    if m.keypoint_norm and m.encoder != "spatial_softmax":
+        raise ConfigError(f"model.keypoint_norm standardises spatial_softmax's keypoints, not model.encoder="
+                          f"{m.encoder}'s features: set it to 0")
     if m.resize and not torchvision:
         raise ConfigError(f"model.resize applies to torchvision backbones, not model.encoder={m.encoder}: "
                           "set env.image_size instead")

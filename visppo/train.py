@@ -257,6 +257,8 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
     if policy.discrete and cfg.model.noise_beta:
         raise ConfigError("model.noise_beta colours a Gaussian's noise, and this env's actions are discrete: "
                           "set model.noise_beta=0")
+    if ctx.enabled and cfg.model.keypoint_norm:  # each rank would standardise by its own frames
+        raise ConfigError("model.keypoint_norm is not supported under torchrun: set it to 0")
     optimizer = build_optimizer(cfg, policy)
     seed = distributed.rank_seed(cfg.train.seed, ctx.rank)  # the seed itself on rank 0
     generator = torch.Generator().manual_seed(seed)  # minibatch order, apart from acting

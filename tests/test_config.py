@@ -63,6 +63,10 @@ def test_round_trip_through_plain_dict():
     (["model.shared_layers=-1"], "model.shared_layers"),
     (["model.action_dist=beta", "model.noise_beta=0.5"], "model.noise_beta"),
     (["model.keypoint_norm=-1"], "model.keypoint_norm"),
+    (["model.keypoint_stride=0"], "model.keypoint_stride"),
+    (["model.keypoints=0"], "model.keypoints"),
+    (["model.encoder=drq", "model.keypoints=64"], "model.keypoints"),
+    (["env.image_size=12", "model.keypoint_stride=8"], "env.image_size"),
     (["model.encoder=nature", "model.keypoint_norm=64"], "model.keypoint_norm"),
 ])
 def test_bad_values_are_refused_naming_the_key(overrides, key):

@@ -214,6 +214,21 @@ def test_spatial_softmax_keypoints_are_the_peaks_image_coordinates():
     torch.testing.assert_close(enc.keypoint_xy(maps)[0, 0], (grid[4] + grid[6]) / 2, atol=1e-5, rtol=0)
 
 
+def test_keypoint_count_and_stride_shape_the_maps():
+    """model.keypoints sets the maps (two coordinates each); model.keypoint_stride the first conv's
+    stride and so the maps' side, and the coordinate grid follows it: a peak in the last column is x = 1."""
+    from visppo.encoders import SpatialSoftmaxCNN
+
+    enc = SpatialSoftmaxCNN(9, 84, 16, keypoints=128, stride=2)
+    maps = enc.convs(torch.rand(2, 9, 84, 84))
+    assert maps.shape == (2, 128, 39, 39) and enc.proj[0].in_features == 256
+    peak = torch.zeros(1, 128, 39, 39)
+    peak[0, :, 5, 38] = 100.0
+    torch.testing.assert_close(enc.keypoint_xy(peak)[0, 0], torch.tensor(1.0), atol=1e-5, rtol=0)
+    assert enc(torch.randint(0, 256, (2, 9, 84, 84), dtype=torch.uint8)).shape == (2, 16)
+    assert SpatialSoftmaxCNN(9, 84, 16).convs(torch.rand(1, 9, 84, 84)).shape[-1] == 20
+
+
 def test_keypoint_norm_standardises_by_the_first_frames_then_keeps_its_statistics():
     """model.keypoint_norm: the moments merged batch by batch equal those of all frames together;
     after norm_samples frames, and in any pass with a gradient, they no longer move."""

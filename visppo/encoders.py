@@ -156,18 +156,19 @@ class SpatialSoftmaxCNN(PixelEncoder):
     """
 
     def __init__(self, in_channels: int, image_size: int, feature_dim: int, keypoints: int = 32,
-                 norm_samples: int = 0):
+                 norm_samples: int = 0, stride: int = 4):
         super().__init__()
         self.convs = nn.Sequential(
-            nn.Conv2d(in_channels, 32, 8, stride=4), nn.ReLU(),
+            nn.Conv2d(in_channels, 32, 8, stride=stride), nn.ReLU(),
             nn.Conv2d(32, 64, 3, stride=1, padding=1), nn.ReLU(),
             # no bias: a softmax ignores a constant added to its map, so a bias's true gradient is 0
             # and Adam would turn its rounding noise into full-size random steps
             nn.Conv2d(64, keypoints, 1, bias=False),
         )
-        side = (image_size - 8) // 4 + 1
+        side = (image_size - 8) // stride + 1
         if side < 2:
-            raise ConfigError(f"model.encoder=spatial_softmax needs frames of at least 12 pixels, not {image_size}")
+            raise ConfigError(f"model.encoder=spatial_softmax with model.keypoint_stride={stride} needs frames of "
+                              f"at least {8 + stride} pixels, not {image_size}")
         grid = torch.linspace(-1.0, 1.0, side)
         # pos_x varies along columns (image x), pos_y along rows (image y), flattened like the maps
         self.register_buffer("pos_x", grid.repeat(side), persistent=False)
@@ -362,7 +363,9 @@ class TorchvisionBackbone(PixelEncoder):
 
 
 def build_pixel_encoder(name: str, pixel_shape: tuple[int, int, int], feature_dim: int,
-                        resize: int = 0, checkpointing: bool = False, keypoint_norm: int = 0) -> PixelEncoder:
+                        resize: int = 0, checkpointing: bool = False, keypoints: tuple[int, int, int] = (32, 4, 0)
+                        ) -> PixelEncoder:
+    """``keypoints``: spatial_softmax's (count, first layer's stride, norm_samples); the others ignore it."""
     c, h, w = pixel_shape
     if name == "nature":
         return NatureCNN(c, h, feature_dim)
@@ -371,7 +374,8 @@ def build_pixel_encoder(name: str, pixel_shape: tuple[int, int, int], feature_di
     if name == "drq":
         return DrQCNN(c, h, feature_dim)
     if name == "spatial_softmax":
-        return SpatialSoftmaxCNN(c, h, feature_dim, norm_samples=keypoint_norm)
+        count, stride, norm_samples = keypoints
+        return SpatialSoftmaxCNN(c, h, feature_dim, count, norm_samples, stride)
     if name in TORCHVISION_BACKBONES:
         return TorchvisionBackbone(name, c, feature_dim, resize, checkpointing)
     raise ValueError(f"unknown encoder {name!r}: use one of {', '.join(ENCODERS)}")
@@ -397,10 +401,10 @@ class ObsEncoder(nn.Module):
     def __init__(self, pixel_shape: tuple[int, int, int], state_dim: int, feature_dim: int,
                  state_hidden_dim: int, encoder: str = "nature", resize: int = 0,
                  checkpointing: bool = False, shared_layers: int = 0, shared_dim: int = 256,
-                 keypoint_norm: int = 0):
+                 keypoints: tuple[int, int, int] = (32, 4, 0)):
         super().__init__()
         self.pixels = build_pixel_encoder(encoder, tuple(pixel_shape), feature_dim, resize, checkpointing,
-                                          keypoint_norm)
+                                          keypoints)
         self.state = None
         self.out_dim = feature_dim
         if state_dim:

@@ -78,7 +78,7 @@ class ActorCritic(nn.Module):
             return ObsEncoder(pixel_shape, state_dim, cfg.feature_dim, cfg.state_hidden_dim, cfg.encoder,
                               resize=cfg.resize, checkpointing=cfg.encoder_checkpointing,
                               shared_layers=cfg.shared_layers, shared_dim=cfg.hidden_dim,
-                              keypoint_norm=cfg.keypoint_norm)
+                              keypoints=(cfg.keypoints, cfg.keypoint_stride, cfg.keypoint_norm))
 
         self.encoder = encoder()
         self.critic_encoder = None if cfg.share_encoder else encoder()

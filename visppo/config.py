@@ -617,7 +617,8 @@ def _validate_finetuning(cfg: Config) -> None:
         raise ConfigError(f"model.resize must be >= 0 (0: off), got {m.resize}")
     if not 1 <= m.keypoint_stride <= 8:
         raise ConfigError(f"model.keypoint_stride must be 1 to 8 (the first conv is 8x8), got {m.keypoint_stride}")
-    if (m.keypoints, m.keypoint_stride) != (32, 4) and m.encoder != "spatial_softmax":
+    if (m.keypoints, m.keypoint_stride) != (ModelConfig.keypoints, ModelConfig.keypoint_stride) \
+            and m.encoder != "spatial_softmax":
         raise ConfigError(f"model.keypoints and model.keypoint_stride shape spatial_softmax, not model.encoder="
                           f"{m.encoder}: remove them")
     if m.keypoint_norm and m.encoder != "spatial_softmax":

@@ -188,7 +188,8 @@ class SpatialSoftmaxCNN(PixelEncoder):
     def _standardise(self, kp: torch.Tensor) -> torch.Tensor:
         """Keypoints minus their mean over std, the moments merged from inference-mode batches
         (Chan et al.'s parallel rule) until ``norm_samples`` frames, then fixed."""
-        if self.kp_count < self.norm_samples and torch.is_inference_mode_enabled():
+        # inference mode first: the update's passes never read the count (a device sync on CUDA)
+        if torch.is_inference_mode_enabled() and self.kp_count < self.norm_samples:
             x = kp.detach().double()
             nb, batch_mean = x.shape[0], x.mean(0)
             total = self.kp_count + nb
@@ -196,10 +197,8 @@ class SpatialSoftmaxCNN(PixelEncoder):
             self.kp_m2.add_(x.var(0, unbiased=False) * nb + delta.square() * self.kp_count * nb / total)
             self.kp_mean.add_(delta * nb / total)
             self.kp_count.copy_(total)
-        if self.kp_count <= 1:
-            return kp
-        std = (self.kp_m2 / self.kp_count).sqrt().clamp(min=1e-8)
-        return (kp - self.kp_mean.float()) / std.float()
+        std = (self.kp_m2 / self.kp_count.clamp(min=1)).sqrt().clamp(min=1e-8)  # finite before any frame
+        return torch.where(self.kp_count > 1, (kp - self.kp_mean.float()) / std.float(), kp)  # no sync
 
     def keypoint_xy(self, maps: torch.Tensor) -> torch.Tensor:
         """``[B, K, H, W]`` maps -> ``[B, 2K]`` expected (x..., y...) image coordinates in [-1, 1]."""

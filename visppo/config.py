@@ -99,7 +99,7 @@ class ModelConfig:
     resize: int = 0
     """Resize frames to this side before a torchvision backbone (224 is ImageNet's); 0 keeps env.image_size."""
     augment: str = "none"
-    """none | shift | rotate: random shifts, or turns about the image centre, of the update's minibatches (never when acting), for the DrAC terms (ppo.drac_coef) or every loss (ppo.augment_loss). rotate only where the task is symmetric under the turn (camera straight down the axis, as DMC reacher's camera 0; visppo/augment.py); there, with ppo.augment_loss (one seed, 500k), training return 328 vs 139-220 and 215 vs 199 over 10 deterministic episodes (README): off."""
+    """none | shift | rotate: random shifts, or turns about the image centre, of the update's minibatches (never when acting), for the DrAC terms (ppo.drac_coef) or every loss (ppo.augment_loss). rotate only where the task is symmetric under the turn (camera straight down the axis, as DMC reacher's camera 0; visppo/augment.py); there, with ppo.augment_loss (one seed, 500k), training return 328 vs 139-220 and 215 vs 199 over 10 deterministic episodes; with shared_layers=3, value_coef=0.002 and std 1.0 as well, 966 (configs/dmc_reacher_easy.yaml; README). Off by default: most scenes are not symmetric."""
     shift_pad: int = 4
     """Largest shift in pixels for augment=shift (pad and random crop, as DrQ)."""
     rotate_degrees: float = 180.0
@@ -119,7 +119,7 @@ class ModelConfig:
     state_hidden_dim: int = 64
     """Width of the MLP branch for the proprioceptive vector."""
     shared_layers: int = 0
-    """Hidden tanh layers of hidden_dim (orthogonal init, gain sqrt 2) over the encoder's features (pixels and state concatenated), before the actor's and critic's own hidden layer: a trunk both losses train, part of the encoder (with share_encoder=false the critic's encoder has its own). 0: the heads read the features directly."""
+    """Hidden tanh layers of hidden_dim (orthogonal init, gain sqrt 2) over the encoder's features (pixels and state concatenated), before the actor's and critic's own hidden layer: a trunk both losses train, part of the encoder (with share_encoder=false the critic's encoder has its own). 0: the heads read the features directly. DMC reacher-easy's config uses 3 (with value_coef 0.002 and rotate; README)."""
     share_encoder: bool = True
     """Actor and critic share one encoder; false gives the critic its own (DMC cartpole-swingup at 100k, one seed: return 200 vs 251 at 1.75x the time; README)."""
     detach_actor: bool = False
@@ -161,7 +161,7 @@ class PPOConfig:
     clip_value: bool = False
     """Clip the value update around the old values with clip_coef (CleanRL has it on). DMC cartpole-swingup at 100k, 3 seeds: 183 +- 41 vs 245 +- 62, the critic's explained variance lower (README): off."""
     value_coef: float = 0.5
-    """Weight of the value loss."""
+    """Weight of the value loss (CleanRL's 0.5). On raw returns of 0-1000 the value loss's gradient outweighs the policy's on a shared encoder by orders of magnitude; DMC reacher-easy's config uses 0.002 (README). Adam's steps on the critic's own head do not scale with it."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus. DMC reacher-easy with 0.01, one seed at 500k: 104 vs 199 over 10 episodes (README): 0."""
     max_grad_norm: float = 0.5

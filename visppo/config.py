@@ -99,7 +99,7 @@ class ModelConfig:
     resize: int = 0
     """Resize frames to this side before a torchvision backbone (224 is ImageNet's); 0 keeps env.image_size."""
     augment: str = "none"
-    """none | shift | rotate: random shifts, or turns about the image centre, of the update's minibatches (never when acting), for the DrAC terms (ppo.drac_coef) or every loss (ppo.augment_loss). rotate only where the task is symmetric under the turn (camera straight down the axis, as DMC reacher's camera 0; visppo/augment.py); there, with ppo.augment_loss (one seed, 500k), training return 328 vs 139-220 and 215 vs 199 over 10 deterministic episodes; with shared_layers=3, value_coef=0.002 and std 1.0 as well, 966 (configs/dmc_reacher_easy.yaml; README). Off by default: most scenes are not symmetric."""
+    """none | shift | rotate: random shifts, or turns about the image centre, of the update's minibatches (never when acting), for the DrAC terms (ppo.drac_coef) or every loss (ppo.augment_loss). rotate only where the task is symmetric under the turn (camera straight down the axis, as DMC reacher's camera 0; visppo/augment.py); there, with ppo.augment_loss (one seed, 500k), training return 328 vs 139-220 and 215 vs 199 over 10 deterministic episodes; with shared_layers=3, value_coef=0.002 and std 1.0 as well, 937 +- 49 over three seeds (configs/dmc_reacher_easy.yaml; README). Off by default: most scenes are not symmetric."""
     shift_pad: int = 4
     """Largest shift in pixels for augment=shift (pad and random crop, as DrQ)."""
     rotate_degrees: float = 180.0

@@ -56,6 +56,8 @@ def test_round_trip_through_plain_dict():
     (["memory.budget=lots"], "memory.budget"),
     (["nonsense"], "key=value"),
     (["model.detach_actor=true", "model.share_encoder=false"], "model.detach_actor needs model.share_encoder"),
+    (["model.privileged_critic=true"], "set env.state=true"),
+    (["model.privileged_critic=true", "env.state=true", "model.detach_actor=true"], "model.detach_actor=false"),
     (["model.action_dist=gamma"], "model.action_dist"),
     (["model.action_dist=beta", "model.final_log_std=-2"], "model.final_log_std"),
     (["model.noise_beta=3"], "model.noise_beta"),

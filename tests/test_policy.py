@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from visppo.config import ModelConfig
+from visppo.config import ConfigError, ModelConfig
 from visppo.policy import ActorCritic, recon_error, recon_target
 
 OBS = gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (3, 64, 64), np.uint8),
@@ -65,6 +65,28 @@ def test_shared_layers_feed_both_heads_and_both_losses_train_them():
     assert from_actor.abs().sum() > 0 and first.grad.abs().sum() > 0
     separate = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,)), ModelConfig(shared_layers=1, share_encoder=False))
     assert separate.critic_encoder.shared is not separate.encoder.shared  # the critic's encoder has its own
+
+
+def test_privileged_critic_reads_the_state_and_the_actor_the_frames():
+    torch.manual_seed(0)
+    pol = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,)), ModelConfig(privileged_critic=True))
+    assert pol.critic_encoder.pixels is None and pol.encoder.state is None
+    assert pol.trunk_parameters() == list(pol.encoder.pixels.trunk().parameters())
+    obs, action = _obs(), torch.zeros(6, 2)
+    other = {"pixels": torch.randint(0, 256, obs["pixels"].shape, dtype=torch.uint8), "state": obs["state"]}
+    mean = lambda o: pol.actor(pol.encoder(o))  # noqa: E731  (the head's small gain hides it in a log-prob)
+    logp, _, value = pol.score_actions(obs, action)
+    _, _, value_p = pol.score_actions(other, action)
+    assert torch.equal(value, value_p) and not torch.equal(mean(obs), mean(other))  # the value ignores the frames
+    moved = {"pixels": obs["pixels"], "state": obs["state"] + 1.0}
+    logp_s, _, value_s = pol.score_actions(moved, action)
+    assert torch.equal(logp, logp_s) and not torch.equal(value, value_s)  # the policy ignores the state
+    torch.testing.assert_close(pol.value(obs), value)
+    value.sum().backward()  # the value loss never reaches the frames' encoder
+    assert all(p.grad is None for p in pol.encoder.parameters())
+    with pytest.raises(ConfigError, match="env.state=true"):
+        ActorCritic(gym.spaces.Dict({"pixels": OBS["pixels"]}), gym.spaces.Box(-1, 1, (2,)),
+                    ModelConfig(privileged_critic=True))
 
 
 def test_detached_actor_leaves_the_encoder_to_the_critic():

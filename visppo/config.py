@@ -122,6 +122,8 @@ class ModelConfig:
     """Hidden tanh layers of hidden_dim (orthogonal init, gain sqrt 2) over the encoder's features (pixels and state concatenated), before the actor's and critic's own hidden layer: a trunk both losses train, part of the encoder (with share_encoder=false the critic's encoder has its own). 0: the heads read the features directly. DMC reacher-easy's config uses 3 (with value_coef 0.002 and rotate; README)."""
     share_encoder: bool = True
     """Actor and critic share one encoder; false gives the critic its own (DMC cartpole-swingup at 100k, one seed: return 200 vs 251 at 1.75x the time; README)."""
+    privileged_critic: bool = False
+    """Asymmetric actor-critic (Pinto et al. 2018): the critic reads only the env's state vector (env.state=true; its own MLP, no pixel trunk), the actor only the frames. For training in simulation, where the state exists and the critic only serves training: the trained policy still acts from pixels alone (evaluation and deployment feed it frames; the state is read for values only). Replaces share_encoder. Reacher-v5 (README): see the learning record."""
     detach_actor: bool = False
     """The actor reads the shared encoder's features detached, so only the critic's loss trains the encoder (DrQ-v2's actor); needs share_encoder. DMC at 100k, one seed: finger-spin 0 vs 140-279, cartpole-balance 326 vs 403 (README): off."""
     action_dist: str = "normal"
@@ -634,6 +636,11 @@ def _validate_finetuning(cfg: Config) -> None:
     if torchvision and side < 32:
         raise ConfigError(f"model.encoder={m.encoder} needs frames of at least 32x32, got {side}: "
                           "raise env.image_size or set model.resize")
+    if m.privileged_critic and not cfg.env.state:
+        raise ConfigError("model.privileged_critic needs the env's state vector for the critic: set env.state=true")
+    if m.privileged_critic and m.detach_actor:
+        raise ConfigError("model.detach_actor and model.privileged_critic: with a state-only critic no loss "
+                          "but the policy's trains the frames' encoder; set model.detach_actor=false")
     if m.detach_actor and not m.share_encoder:
         raise ConfigError("model.detach_actor needs model.share_encoder=true: with its own encoder detached, "
                           "the actor's encoder would never train")

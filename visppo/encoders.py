@@ -395,17 +395,24 @@ def tanh_layers(in_dim: int, width: int, count: int) -> nn.Sequential:
 class ObsEncoder(nn.Module):
     """Pixels through a CNN, optional proprioceptive state through an MLP, concatenated; then
     ``shared_layers`` tanh layers of ``shared_dim`` over the concatenation (model.shared_layers):
-    a trunk that both the actor's and the critic's losses train, before their own heads."""
+    a trunk that both the actor's and the critic's losses train, before their own heads.
+    ``pixel_shape=None`` leaves the pixels out (the state MLP alone: model.privileged_critic's
+    critic); it then has no trunk to freeze or fill with weights."""
 
-    def __init__(self, pixel_shape: tuple[int, int, int], state_dim: int, feature_dim: int,
+    def __init__(self, pixel_shape: tuple[int, int, int] | None, state_dim: int, feature_dim: int,
                  state_hidden_dim: int, encoder: str = "nature", resize: int = 0,
                  checkpointing: bool = False, shared_layers: int = 0, shared_dim: int = 256,
                  keypoints: tuple[int, int, int] = (32, 4, 0)):
         super().__init__()
-        self.pixels = build_pixel_encoder(encoder, tuple(pixel_shape), feature_dim, resize, checkpointing,
-                                          keypoints)
+        if pixel_shape is None and not state_dim:
+            raise ValueError("ObsEncoder needs pixels, a state vector or both")
+        self.pixels = None
+        self.out_dim = 0
+        if pixel_shape is not None:
+            self.pixels = build_pixel_encoder(encoder, tuple(pixel_shape), feature_dim, resize, checkpointing,
+                                              keypoints)
+            self.out_dim = feature_dim
         self.state = None
-        self.out_dim = feature_dim
         if state_dim:
             self.state = nn.Sequential(nn.Linear(state_dim, state_hidden_dim), nn.Tanh())
             self.out_dim += state_hidden_dim
@@ -416,12 +423,14 @@ class ObsEncoder(nn.Module):
 
     def trunk_parameters(self) -> list[nn.Parameter]:
         """The pixel trunk's parameters: what pretrained weights fill, freezing freezes, lr scaling scales."""
-        return list(self.pixels.trunk().parameters())
+        return [] if self.pixels is None else list(self.pixels.trunk().parameters())
 
     def forward(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
-        feats = self.pixels(obs["pixels"])
+        parts = [] if self.pixels is None else [self.pixels(obs["pixels"])]
         if self.state is not None:
-            feats = torch.cat([feats, self.state(obs["state"].float()).to(feats.dtype)], dim=-1)
+            state = self.state(obs["state"].float())
+            parts.append(state.to(parts[0].dtype) if parts else state)
+        feats = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
         return feats if self.shared is None else self.shared(feats)
 
 
@@ -455,7 +464,8 @@ class FreezeSchedule:
 
     def _set(self, frozen: bool) -> None:
         for enc in self.encoders:
-            enc.pixels.frozen = frozen
+            if enc.pixels is not None:
+                enc.pixels.frozen = frozen
 
     def __call__(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         if self.frozen:  # this step is a frozen one: make sure no trunk gradient reaches it

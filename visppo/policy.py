@@ -74,14 +74,20 @@ class ActorCritic(nn.Module):
         pixel_shape = tuple(obs_space["pixels"].shape)
         state_dim = int(np.prod(obs_space["state"].shape)) if "state" in obs_space.spaces else 0
 
-        def encoder() -> ObsEncoder:
-            return ObsEncoder(pixel_shape, state_dim, cfg.feature_dim, cfg.state_hidden_dim, cfg.encoder,
+        def encoder(pixels: tuple[int, int, int] | None, state: int) -> ObsEncoder:
+            return ObsEncoder(pixels, state, cfg.feature_dim, cfg.state_hidden_dim, cfg.encoder,
                               resize=cfg.resize, checkpointing=cfg.encoder_checkpointing,
                               shared_layers=cfg.shared_layers, shared_dim=cfg.hidden_dim,
                               keypoints=(cfg.keypoints, cfg.keypoint_stride, cfg.keypoint_norm))
 
-        self.encoder = encoder()
-        self.critic_encoder = None if cfg.share_encoder else encoder()
+        if cfg.privileged_critic:  # asymmetric: the actor the frames only, the critic the state only
+            if not state_dim:
+                raise ConfigError("model.privileged_critic needs the env's state vector: set env.state=true")
+            self.encoder = encoder(pixel_shape, 0)
+            self.critic_encoder = encoder(None, state_dim)
+        else:
+            self.encoder = encoder(pixel_shape, state_dim)
+            self.critic_encoder = None if cfg.share_encoder else encoder(pixel_shape, state_dim)
         self.detach_actor = cfg.detach_actor
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
         self.beta = cfg.action_dist == "beta"
@@ -100,7 +106,8 @@ class ActorCritic(nn.Module):
             raise ValueError(f"action space {action_space} is not supported: use Box or Discrete")
         feat = self.encoder.out_dim
         self.actor = _mlp(feat, cfg.hidden_dim, 2 * act_dim if self.beta else act_dim, 0.01)
-        self.critic = _mlp(feat, cfg.hidden_dim, 1, 1.0)
+        critic_feat = feat if self.critic_encoder is None else self.critic_encoder.out_dim
+        self.critic = _mlp(critic_feat, cfg.hidden_dim, 1, 1.0)
         self.norm_value = cfg.norm_value
         if cfg.norm_value:  # the value targets' running moments (ppo.update_value_norm), saved with the weights
             self.register_buffer("value_count", torch.zeros((), dtype=torch.float64))
@@ -145,7 +152,7 @@ class ActorCritic(nn.Module):
 
     def load_encoder_weights(self, spec: str) -> None:
         """Load ``model.encoder_weights`` (none | imagenet | PATH) into the encoders; ConfigError if it does not fit."""
-        load_encoder_weights(self.encoders(), spec, self.encoder_name)
+        load_encoder_weights([e for e in self.encoders() if e.pixels is not None], spec, self.encoder_name)
 
     def _features(self, obs: Obs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(actor's, critic's, the actor encoder's own) features: the first is the last detached

@@ -434,11 +434,44 @@ def test_state_ppo_layers_sets_the_shared_trunks_depth_and_two_keeps_its_draws()
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "--layers" in bad.stderr, bad.stderr
 
 
-def test_state_ppo_refuses_an_id_that_is_not_deepmind_control():
-    proc = subprocess.run([sys.executable, str(TOOLS / "state_ppo.py"), "visppo/Reach-v0"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("error:") and "dmc:" in proc.stderr
+def test_state_ppo_refuses_an_id_without_a_state_vector_and_suite_flags_on_gymnasium():
+    for args, needle in ((["visppo/Reach-v0"], "not a flat vector"), (["Nope-v9"], "Nope-v9"),
+                         (["Reacher-v5", "--drop", "x"], "give a dmc id")):
+        proc = subprocess.run([sys.executable, str(TOOLS / "state_ppo.py"), *args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("error:") and needle in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+STATE_GYM = """
+import runpy, numpy as np, torch
+m = runpy.run_path("tools/state_ppo.py", run_name="state_ppo")
+a, b = m["GymStateEnv"]("Reacher-v5", 7, 1), m["GymStateEnv"]("Reacher-v5", 7, 1)
+assert np.array_equal(a.reset(), b.reset())  # seeded: evaluation episodes are the same every time
+torch.manual_seed(0)
+for env_id, ends in (("Reacher-v5", "truncated"), ("InvertedPendulum-v5", "terminated")):
+    envs = [m["GymStateEnv"](env_id, i, 1) for i in range(2)]
+    obs = np.stack([e.reset() for e in envs])
+    policy = m["StatePolicy"](obs.shape[1], envs[0].action_dim, init_log_std=1.0)
+    roll, _ = m["collect"](policy, envs, obs, 64, 0.99, 0.95, [], None)
+    other = "terminated" if ends == "truncated" else "truncated"
+    assert roll[ends].sum() >= 2 and roll[other].sum() == 0, (env_id, roll[ends].sum(), roll[other].sum())
+    if ends == "truncated":  # Reacher-v5's 50-step limit, bootstrapped from the final state's value
+        assert roll["truncated"][49].tolist() == [1.0, 1.0] and (roll["final_values"][49] != 0).all()
+    else:  # the pole fell: no bootstrap, the return is the rewards to the end
+        t, i = [int(x) for x in roll["terminated"].nonzero()[0]]
+        assert roll["final_values"][t, i] == 0 and torch.isclose(roll["returns"][t, i], roll["rewards"][t, i])
+print("ok")
+"""
+
+
+def test_state_ppo_runs_gymnasium_state_envs_with_their_time_limits_and_terminations():
+    """A gymnasium id goes through gymnasium.make: Reacher-v5's time limit is bootstrapped, a
+    falling pendulum's termination is not."""
+    env = {**os.environ, "MUJOCO_GL": "disable"}
+    proc = subprocess.run([sys.executable, "-c", STATE_GYM], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
 def _run_state_script(script: str) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""PPO from the state vector on a DeepMind Control task: is a pixel task's gap the RL or the vision?
+"""PPO from the state vector on a DeepMind Control or gymnasium task: is a pixel task's gap the RL or the vision?
 
     python tools/state_ppo.py dmc:reacher-easy [--steps 500000] [--seed 1] [--lr 3e-4]
         [--epochs 10] [--num-envs 8] [--num-steps 128] [--minibatch 256] [--init-log-std -0.5] [--layers 2]
@@ -16,6 +16,11 @@ The env is the suite's own with the published protocol's action repeat and 1000-
 actions in [-1, 1] scaled to the task's bounds, and nothing rendered (``MUJOCO_GL=disable``), so
 500k agent steps take minutes. It prints one JSON line per evaluation (10 deterministic episodes, seeds 5000-5009, as
 ``visppo eval --seed 5000 --deterministic``) and writes them all with ``--json``.
+
+A gymnasium id whose observation is a flat vector (``Reacher-v5``: ``--action-repeat 1``) runs the
+same way through ``gymnasium.make``, its own time limit and terminations (a termination is not
+bootstrapped, a time limit is), evaluation episodes reset with seeds 5000-5009; ``--drop``,
+``--add-geom`` and ``--blur`` are the suite's only.
 
 ``--drop`` and ``--add-geom`` change what the state tells, to ask which part of it a camera's
 frames make hard: ``--drop to_target --add-geom target`` gives reacher the target's position in
@@ -50,6 +55,7 @@ import sys
 import time
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import torch
 from torch import nn
@@ -111,6 +117,45 @@ class StateEnv:
         return self._flat(timestep), reward, self.frames >= dmc.EPISODE_FRAMES
 
 
+class GymStateEnv:
+    """A gymnasium env whose observation is a flat vector, with ``StateEnv``'s interface: actions in
+    [-1, 1] scaled to the env's bounds, rewards summed over the repeat, ``terminated`` set when the
+    episode ended by the task rather than by its time limit."""
+
+    def __init__(self, env_id: str, seed: int, action_repeat: int) -> None:
+        self.env = gym.make(env_id)
+        space = self.env.observation_space
+        if not (isinstance(space, gym.spaces.Box) and len(space.shape) == 1):
+            raise ValueError(f"{env_id}'s observation is {space}, not a flat vector: give a state-based id")
+        self.low, self.high = self.env.action_space.low, self.env.action_space.high
+        self.action_dim, self.action_repeat = int(self.env.action_space.shape[0]), action_repeat
+        self.seed, self.terminated, self.episode_return = seed, False, 0.0
+
+    def reset(self) -> np.ndarray:
+        obs, _ = self.env.reset(seed=self.seed)
+        self.seed, self.terminated, self.episode_return = None, False, 0.0  # seeded once, then the env's own stream
+        return np.asarray(obs, np.float32)
+
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool]:
+        action = self.low + (np.clip(action, -1.0, 1.0) + 1.0) * 0.5 * (self.high - self.low)
+        reward, over = 0.0, False
+        for _ in range(self.action_repeat):
+            obs, r, self.terminated, truncated, _ = self.env.step(action)
+            reward += float(r)
+            over = self.terminated or truncated
+            if over:
+                break
+        self.episode_return += reward
+        return np.asarray(obs, np.float32), reward, over
+
+
+def make_env(args: argparse.Namespace, seed: int) -> StateEnv | GymStateEnv:
+    """The suite's task for a dmc id, else the gymnasium env."""
+    if dmc.is_dmc_id(args.env_id):
+        return StateEnv(args.env_id, seed, args.action_repeat, args.drop, args.add_geom, args.blur)
+    return GymStateEnv(args.env_id, seed, args.action_repeat)
+
+
 def _layer(n_in: int, n_out: int, gain: float) -> nn.Linear:
     layer = nn.Linear(n_in, n_out)
     nn.init.orthogonal_(layer.weight, gain)
@@ -140,7 +185,7 @@ def evaluate(policy: StatePolicy, args: argparse.Namespace, episodes: int = 10) 
     """Deterministic returns (the Gaussian's mean) of ``episodes`` episodes, seeds 5000, 5001, ..."""
     returns = []
     for i in range(episodes):
-        env = StateEnv(args.env_id, EVAL_SEED + i, args.action_repeat, args.drop, args.add_geom, args.blur)
+        env = make_env(args, EVAL_SEED + i)
         obs, over = env.reset(), False
         while not over:
             with torch.no_grad():
@@ -155,7 +200,7 @@ def collect(policy: StatePolicy, envs: list[StateEnv], obs: np.ndarray, num_step
             ) -> tuple[dict[str, torch.Tensor], np.ndarray]:
     """One rollout of ``num_steps`` per env; finished episodes' returns are appended to ``finished``."""
     T, N = num_steps, len(envs)
-    roll = {k: torch.zeros(T, N) for k in ("logp", "values", "rewards", "truncated", "final_values")}
+    roll = {k: torch.zeros(T, N) for k in ("logp", "values", "rewards", "terminated", "truncated", "final_values")}
     roll["obs"], roll["actions"] = torch.zeros(T, N, obs.shape[1]), torch.zeros(T, N, envs[0].action_dim)
     for t in range(T):
         with torch.no_grad():
@@ -165,10 +210,13 @@ def collect(policy: StatePolicy, envs: list[StateEnv], obs: np.ndarray, num_step
         roll["logp"][t] = dist.log_prob(action).sum(-1)
         for i, env in enumerate(envs):
             next_obs, roll["rewards"][t, i], over = env.step(action[i].numpy())
-            if over:  # a time limit: bootstrap from the final state's value, then start the next episode
+            if over and getattr(env, "terminated", False):  # the task ended it: nothing to bootstrap
+                roll["terminated"][t, i] = 1.0
+            elif over:  # a time limit: bootstrap from the final state's value
                 roll["truncated"][t, i] = 1.0
                 with torch.no_grad():
                     roll["final_values"][t, i] = policy(torch.as_tensor(next_obs[None]))[1][0]
+            if over:  # then start the next episode
                 finished.append(env.episode_return)
                 next_obs = env.reset()
                 if noise is not None:
@@ -177,7 +225,7 @@ def collect(policy: StatePolicy, envs: list[StateEnv], obs: np.ndarray, num_step
     with torch.no_grad():
         last_value = policy(torch.as_tensor(obs))[1]
     roll["advantages"], roll["returns"] = compute_gae(
-        roll["rewards"], roll["values"], last_value, torch.zeros(T, N), roll["truncated"],
+        roll["rewards"], roll["values"], last_value, roll["terminated"], roll["truncated"],
         roll["final_values"], gamma, lam)
     return roll, obs
 
@@ -204,8 +252,7 @@ def update(policy: StatePolicy, optimizer: torch.optim.Optimizer, roll: dict[str
 def train(args: argparse.Namespace) -> list[dict]:
     """Train and evaluate every ``args.eval_every`` agent steps; returns the evaluation rows."""
     torch.manual_seed(args.seed)
-    envs = [StateEnv(args.env_id, args.seed * 1000 + i, args.action_repeat, args.drop, args.add_geom, args.blur)
-            for i in range(args.num_envs)]
+    envs = [make_env(args, args.seed * 1000 + i) for i in range(args.num_envs)]
     obs = np.stack([env.reset() for env in envs])
     policy = StatePolicy(obs.shape[1], envs[0].action_dim, init_log_std=args.init_log_std, layers=args.layers)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr, eps=1e-5)
@@ -213,8 +260,9 @@ def train(args: argparse.Namespace) -> list[dict]:
     finished: list[float] = []
     noise = None
     if args.noise_beta:
-        noise = ColoredNoise(args.noise_beta, args.num_envs, envs[0].action_dim,
-                             dmc.EPISODE_FRAMES // args.action_repeat, args.seed)
+        horizon = dmc.EPISODE_FRAMES // args.action_repeat if isinstance(envs[0], StateEnv) else \
+            envs[0].env.spec.max_episode_steps or 1000
+        noise = ColoredNoise(args.noise_beta, args.num_envs, envs[0].action_dim, horizon, args.seed)
     rows, next_eval, start = [], args.eval_every, time.perf_counter()
     for it in range(iterations):
         for group in optimizer.param_groups:
@@ -235,7 +283,8 @@ def train(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("env_id", help="a DeepMind Control id, e.g. dmc:reacher-easy")
+    p.add_argument("env_id", help="a DeepMind Control id (dmc:reacher-easy) or a gymnasium id with a vector "
+                                  "observation (Reacher-v5)")
     p.add_argument("--steps", type=int, default=500_000, help="agent steps")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--lr", type=float, default=3e-4, help="Adam's rate at the start, annealed to 0")
@@ -265,16 +314,19 @@ def main(argv: list[str] | None = None) -> None:
         p.exit(2, f"error: --blur takes KEY=STD pairs such as to_target=0.03, got {' '.join(args.blur)}\n")
     if args.layers < 1:
         p.exit(2, f"error: --layers must be at least 1, got {args.layers}\n")
-    if not dmc.is_dmc_id(args.env_id):
-        p.exit(2, f"error: {args.env_id!r} is not a DeepMind Control id: give one such as dmc:reacher-easy\n")
+    if dmc.is_dmc_id(args.env_id):
+        try:
+            dmc._suite()
+        except dmc.SuiteUnavailable as exc:
+            p.exit(2, f"error: {exc}\n")
+    elif args.drop or args.add_geom or args.blur:
+        p.exit(2, "error: --drop, --add-geom and --blur read DeepMind Control's observation: give a dmc id\n")
     try:
-        dmc._suite()
-    except dmc.SuiteUnavailable as exc:
-        p.exit(2, f"error: {exc}\n")
-    try:
-        StateEnv(args.env_id, 0, args.action_repeat, args.drop, args.add_geom, args.blur)
+        make_env(args, 0)
     except ValueError as exc:
         p.exit(2, f"error: {exc}\n")
+    except Exception as exc:  # gymnasium's own: an unknown id, a missing dependency
+        p.exit(2, f"error: {args.env_id!r}: {str(exc).splitlines()[0]}\n")
     torch.set_num_threads(args.threads)
     rows = train(args)
     if args.json:

@@ -106,8 +106,7 @@ class ActorCritic(nn.Module):
             raise ValueError(f"action space {action_space} is not supported: use Box or Discrete")
         feat = self.encoder.out_dim
         self.actor = _mlp(feat, cfg.hidden_dim, 2 * act_dim if self.beta else act_dim, 0.01)
-        critic_feat = feat if self.critic_encoder is None else self.critic_encoder.out_dim
-        self.critic = _mlp(critic_feat, cfg.hidden_dim, 1, 1.0)
+        self.critic = _mlp(feat if self.critic_encoder is None else self.critic_encoder.out_dim, cfg.hidden_dim, 1, 1.0)
         self.norm_value = cfg.norm_value
         if cfg.norm_value:  # the value targets' running moments (ppo.update_value_norm), saved with the weights
             self.register_buffer("value_count", torch.zeros((), dtype=torch.float64))

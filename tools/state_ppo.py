@@ -92,6 +92,8 @@ class StateEnv:
         spec = self.env.action_spec()
         self.low, self.high = spec.minimum, spec.maximum
         self.action_dim, self.action_repeat = int(spec.shape[0]), action_repeat
+        self.horizon = dmc.EPISODE_FRAMES // action_repeat  # agent steps per episode
+        self.terminated = False  # every suite episode ends by its time limit
         self.frames, self.episode_return = 0, 0.0
 
     def _flat(self, timestep) -> np.ndarray:
@@ -129,6 +131,7 @@ class GymStateEnv:
             raise ValueError(f"{env_id}'s observation is {space}, not a flat vector: give a state-based id")
         self.low, self.high = self.env.action_space.low, self.env.action_space.high
         self.action_dim, self.action_repeat = int(self.env.action_space.shape[0]), action_repeat
+        self.horizon = self.env.spec.max_episode_steps or 1000  # agent steps per episode, at most
         self.seed, self.terminated, self.episode_return = seed, False, 0.0
 
     def reset(self) -> np.ndarray:
@@ -210,7 +213,7 @@ def collect(policy: StatePolicy, envs: list[StateEnv], obs: np.ndarray, num_step
         roll["logp"][t] = dist.log_prob(action).sum(-1)
         for i, env in enumerate(envs):
             next_obs, roll["rewards"][t, i], over = env.step(action[i].numpy())
-            if over and getattr(env, "terminated", False):  # the task ended it: nothing to bootstrap
+            if over and env.terminated:  # the task ended it: nothing to bootstrap
                 roll["terminated"][t, i] = 1.0
             elif over:  # a time limit: bootstrap from the final state's value
                 roll["truncated"][t, i] = 1.0
@@ -260,9 +263,7 @@ def train(args: argparse.Namespace) -> list[dict]:
     finished: list[float] = []
     noise = None
     if args.noise_beta:
-        horizon = dmc.EPISODE_FRAMES // args.action_repeat if isinstance(envs[0], StateEnv) else \
-            envs[0].env.spec.max_episode_steps or 1000
-        noise = ColoredNoise(args.noise_beta, args.num_envs, envs[0].action_dim, horizon, args.seed)
+        noise = ColoredNoise(args.noise_beta, args.num_envs, envs[0].action_dim, envs[0].horizon, args.seed)
     rows, next_eval, start = [], args.eval_every, time.perf_counter()
     for it in range(iterations):
         for group in optimizer.param_groups:

@@ -51,17 +51,20 @@ def _first_frame(path: Path, seed: int):
 
 def test_the_topdown_reacher_config_shows_the_target_bigger_and_keeps_the_arm_in_view():
     """reacher_pixels_topdown.yaml moves the camera and keeps reacher_pixels.yaml's sizes (its
-    learner differs in the three keys it names: 3 frames, std 0.135, a 300k budget): the red target
+    learner differs in the keys it names: 3 frames, std 0.135, keypoints, 8 envs, 10 epochs,
+    a 300k budget): the red target
     covers several times the pixels it covers in Reacher-v5's own view, and the arm's whole reach
     (0.21 m) stays in frame (no arm pixel on the border whatever the start)."""
     configs = Path(CONFIGS[0]).parent
     stock, top = configs / "reacher_pixels.yaml", configs / "reacher_pixels_topdown.yaml"
-    own = {"env.frame_stack": 3, "model.init_log_std": -2.0, "ppo.total_steps": 307200}
+    own = {"env.frame_stack": 3, "model.init_log_std": -2.0, "ppo.total_steps": 307200,
+           "model.encoder": "spatial_softmax", "ppo.num_envs": 8, "ppo.num_epochs": 10}
     top_keys = _flatten(yaml.safe_load(top.read_text()))
     assert {k: top_keys[k] for k in own} == own
     assert _flatten(yaml.safe_load(stock.read_text())) == {
         k: v for k, v in top_keys.items() if k != "env.kwargs" and k not in own} | {
-            "env.frame_stack": 1, "ppo.total_steps": 1000000}
+            "env.frame_stack": 1, "ppo.total_steps": 1000000, "model.encoder": "nature",
+            "ppo.num_envs": 2, "ppo.num_epochs": 4}
     for seed in range(3):
         frames = [_first_frame(path, seed) for path in (stock, top)]
         sizes = [int(((r > g + 50) & (r > b + 50)).sum()) for r, g, b in frames]

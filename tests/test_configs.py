@@ -50,10 +50,9 @@ def _first_frame(path: Path, seed: int):
 
 
 def test_the_topdown_reacher_config_shows_the_target_bigger_and_keeps_the_arm_in_view():
-    """reacher_pixels_topdown.yaml moves the camera and keeps reacher_pixels.yaml's sizes (its
-    learner differs in the keys it names: 3 frames, std 0.135, keypoints, 8 envs, 10 epochs,
-    a 300k budget): the red target
-    covers several times the pixels it covers in Reacher-v5's own view, and the arm's whole reach
+    """reacher_pixels_topdown.yaml moves the camera and otherwise keeps reacher_pixels.yaml's
+    keys but the learner's it names (3 frames, std 0.135, keypoints, 8 envs, 10 epochs, a 300k
+    budget): the red target covers several times the pixels it covers in Reacher-v5's own view, and the arm's whole reach
     (0.21 m) stays in frame (no arm pixel on the border whatever the start)."""
     configs = Path(CONFIGS[0]).parent
     stock, top = configs / "reacher_pixels.yaml", configs / "reacher_pixels_topdown.yaml"

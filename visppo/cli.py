@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true", help="act with the mean / most likely action")
     p.add_argument("--video", metavar="FILE", help="write a video (.mp4, or .gif)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    p.add_argument("--seed", type=int, default=0, help="seed of the first episode (0)")
+    p.add_argument("--seed", type=int, default=0, help="evaluation stream: its episodes' seeds are drawn from it and never "
+                   "meet a training episode's (0)")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("plot", help="learning curves: visppo plot RUN_DIR... [--out FILE]")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR")

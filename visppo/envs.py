@@ -22,6 +22,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from visppo import seeding
 from visppo.config import Config, ConfigError, RunError
 from visppo_envs._gl import ensure_headless_gl
 
@@ -101,17 +102,19 @@ class PixelDict(gym.ObservationWrapper):
 
 
 class SeededEpisodes(gym.Wrapper):
-    """Seed every episode from (base seed, episode index), so episodes are reproducible.
+    """Seed every episode from (base seed, episode index, stream), so episodes are reproducible.
 
     The first ``reset(seed=s)`` sets the base; each later reset (autoreset
-    included) reseeds the env with a seed derived from the base and the
-    episode's index. A resumed run sets ``episode`` from the checkpoint before
+    included) reseeds the env with :func:`visppo.seeding.episode_seed` of the base,
+    the episode's index and the env's stream (training or evaluation, whose
+    seeds are disjoint). A resumed run sets ``episode`` from the checkpoint before
     its first reset, and its envs then replay exactly the episodes the
     interrupted run would have started.
     """
 
-    def __init__(self, env: gym.Env):
+    def __init__(self, env: gym.Env, stream: int = seeding.TRAIN):
         super().__init__(env)
+        self.stream = stream
         self.base_seed: int | None = None
         self.episode = 0  # index of the current (or, before the first reset, the next) episode
         self._started = False
@@ -124,7 +127,7 @@ class SeededEpisodes(gym.Wrapper):
         self._started = True
         episode_seed = None
         if self.base_seed is not None:
-            episode_seed = int(np.random.SeedSequence([self.base_seed, self.episode]).generate_state(1)[0])
+            episode_seed = seeding.episode_seed(self.base_seed, self.episode, self.stream)
         return self.env.reset(seed=episode_seed, options=options)
 
 
@@ -197,10 +200,11 @@ def _import_env_module(env_id: str, module: str, name: str) -> None:
                           f"call gymnasium.register(id='{name}', ...) when it is imported, or fix the id")
 
 
-def make_env(cfg: Config) -> gym.Env:
-    """One env with visppo's observation layout (used by workers and by evaluation)."""
+def make_env(cfg: Config, stream: int = seeding.TRAIN) -> gym.Env:
+    """One env with visppo's observation layout (used by workers and by evaluation); its episodes
+    are seeded in ``stream`` (:mod:`visppo.seeding`: training and evaluation seeds never meet)."""
     try:
-        return _make_env(cfg)
+        return _make_env(cfg, stream)
     except gym.error.Error as exc:
         raise ConfigError(f"env.id {cfg.env.id} cannot be made as configured: {str(exc).splitlines()[0]}"
                           ) from None
@@ -208,13 +212,13 @@ def make_env(cfg: Config) -> gym.Env:
         raise ConfigError(f"env.id {cfg.env.id} refused its arguments ({exc}): check env.kwargs") from None
 
 
-def _make_env(cfg: Config) -> gym.Env:
+def _make_env(cfg: Config, stream: int) -> gym.Env:
     e = cfg.env
     env_id = resolve_env_id(e.id)
     kwargs: dict[str, Any] = dict(e.kwargs)
     if _is_dmc(env_id):
         env = _make_dmc(cfg, env_id, kwargs)
-        return SeededEpisodes(PixelDict(env, e.frame_stack, e.state, e.image_size))
+        return SeededEpisodes(PixelDict(env, e.frame_stack, e.state, e.image_size), stream)
     if e.max_episode_steps:
         kwargs["max_episode_steps"] = e.max_episode_steps
     if _is_visppo_task(env_id):
@@ -231,7 +235,7 @@ def _make_env(cfg: Config) -> gym.Env:
         env = gym.make(env_id, **kwargs)
     if e.action_repeat > 1:
         env = ActionRepeat(env, e.action_repeat)
-    return SeededEpisodes(PixelDict(env, e.frame_stack, e.state, e.image_size))
+    return SeededEpisodes(PixelDict(env, e.frame_stack, e.state, e.image_size), stream)
 
 
 def _make_dmc(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:

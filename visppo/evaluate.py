@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from visppo import checkpoint as ckpt_io
+from visppo import seeding
 from visppo.builders import build_policy
 from visppo.checkpoint import CheckpointError, atomic_write_text, file_mode
 from visppo.config import Config, ConfigError, UserError, build_config, from_dict
@@ -53,7 +54,10 @@ _X264_SUFFIXES = (".mp4", ".mkv", ".mov")
 def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic: bool = False,
                  seed: int = 0, video: Path | None = None,
                  device: torch.device = torch.device("cpu")) -> dict[str, Any]:
-    """Run ``episodes`` whole episodes in one env; episode ``i`` is reset with ``seed + i``.
+    """Run ``episodes`` whole episodes in one env: evaluation stream ``seed``, episodes 0, 1, ...
+
+    Episode ``i`` is reset with :func:`visppo.seeding.episode_seed` ``(seed, i, EVAL)``, a seed
+    no training episode of any run uses.
 
     Actions are sampled (or the distribution's mode with ``deterministic``)
     under ``torch.inference_mode`` and clipped to a Box action space's bounds,
@@ -74,7 +78,7 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
         if video.suffix.lower() not in VIDEO_SUFFIXES:
             raise UserError(f"video file {video} must end in one of {', '.join(VIDEO_SUFFIXES)}")
     check_env_id(cfg.env.id)
-    env = make_env(cfg)
+    env = make_env(cfg, seeding.EVAL)
     results: list[tuple[float, int, bool | None]] = []
     written: Path | None = None
     was_training = policy.training
@@ -92,7 +96,8 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
             record = ((lambda obs: writer.append(compose_frame(obs["pixels"], cfg.env.frame_stack, render_view)))
                       if writer is not None else None)
             for i in range(episodes):
-                results.append(run_episode(env, policy, seed + i, deterministic, device, record))
+                # the first reset sets the stream's base; later ones step its episode index
+                results.append(run_episode(env, policy, seed if i == 0 else None, deterministic, device, record))
             written = writer.path if writer is not None else None
     finally:
         env.close()
@@ -101,9 +106,10 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
     return summarize(results, deterministic, seed, written)
 
 
-def run_episode(env: gym.Env, policy: ActorCritic, seed: int, deterministic: bool, device: torch.device,
+def run_episode(env: gym.Env, policy: ActorCritic, seed: int | None, deterministic: bool, device: torch.device,
                 record=None) -> tuple[float, int, bool | None]:
-    """One episode reset with ``seed``: (return, length, success or None); ``record(obs)`` every frame."""
+    """One episode reset with ``seed`` (``None``: the env's next episode): (return, length, success or
+    None); ``record(obs)`` every frame."""
     space = env.action_space
     low, high = (space.low, space.high) if isinstance(space, gym.spaces.Box) else (None, None)
     obs, info = env.reset(seed=seed)

@@ -62,7 +62,7 @@ class RolloutState:
     """With ``model.noise_beta``: each env's exploration noise, restarted when its episode ends."""
 
     @classmethod
-    def start(cls, envs: gym.vector.VectorEnv, seed: int) -> RolloutState:
+    def start(cls, envs: gym.vector.VectorEnv, seed: int | list[int]) -> RolloutState:
         obs, _ = envs.reset(seed=seed)
         n = envs.num_envs
         return cls(obs=obs, episode_return=np.zeros(n), episode_length=np.zeros(n, dtype=np.int64))

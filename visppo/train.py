@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from visppo import checkpoint as ckpt_io
-from visppo import distributed
+from visppo import distributed, seeding
 from visppo.buffer import ReturnScale, RolloutBuffer, compute_gae, explained_variance, obs_of
 from visppo.builders import (
     anneal_lr,
@@ -277,7 +277,8 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
     buffer = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, envs.single_observation_space,
                            envs.single_action_space, pin_memory=device.type == "cuda" and not on_device,
                            device=device if on_device else "cpu", channels_last=precision.channels_last)
-    state = RolloutState.start(envs, seed=cfg.train.seed + ctx.rank * cfg.ppo.num_envs)  # env i of rank r
+    state = RolloutState.start(envs, seed=[seeding.env_seed(cfg.train.seed, ctx.rank, i)  # never another run's
+                                           for i in range(cfg.ppo.num_envs)])
     if cfg.model.noise_beta:
         state.noise = ColoredNoise(cfg.model.noise_beta, cfg.ppo.num_envs, int(np.prod(envs.single_action_space.shape)),
                                    NOISE_SEQUENCE_STEPS, seed)

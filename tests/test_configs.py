@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from visppo.config import load_config, to_dict
+from visppo.config import ConfigError, load_config, read_config_file, to_dict
 from visppo.envs import check_env_id
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
@@ -27,7 +27,7 @@ def test_config_loads_with_every_value_it_sets(path):
     cfg = load_config(path)
     if not (cfg.env.id.startswith("dmc:") and importlib.util.find_spec("dm_control") is None):
         check_env_id(cfg.env.id)  # a registered task (DeepMind Control ones need the dmc extra)
-    written = _flatten(yaml.safe_load(path.read_text()))
+    written = _flatten(read_config_file(path))  # with its base's keys
     resolved = _flatten(to_dict(cfg))
     assert written, f"{path.name} sets nothing"
     for key, value in written.items():
@@ -71,3 +71,31 @@ def test_the_topdown_reacher_config_shows_the_target_bigger_and_keeps_the_arm_in
         r, _, b = frames[1]
         arm = b > r + 20  # the arm is blue on a grey floor
         assert arm.sum() > 20 and not (arm[0].any() or arm[-1].any() or arm[:, 0].any() or arm[:, -1].any())
+
+
+DMC_TASKS = [p for p in CONFIGS if p.name.startswith("dmc_")]
+
+
+def test_every_dmc_task_config_is_the_one_recipe_and_its_env_id():
+    """One recipe for the suite (issue 56): a task's file sets env.id over configs/dmc.yaml, nothing else."""
+    names = {p.stem.removeprefix("dmc_") for p in DMC_TASKS}
+    assert names >= {"reacher_easy", "cartpole_balance", "cartpole_swingup", "finger_spin", "walker_walk",
+                     "cheetah_run", "ball_in_cup_catch", "finger_turn_easy", "walker_run", "reacher_hard"}
+    recipe = _flatten(read_config_file(DMC_TASKS[0].parent / "dmc.yaml"))
+    for path in DMC_TASKS:
+        own = yaml.safe_load(path.read_text())
+        assert own.keys() == {"base", "env"} and own["base"] == "dmc.yaml" and own["env"].keys() == {"id"}, path.name
+        assert path.stem == "dmc_" + own["env"]["id"].removeprefix("dmc:").replace("-", "_")
+        assert _flatten(read_config_file(path)) == recipe | {"env.id": own["env"]["id"]}
+
+
+def test_a_base_file_is_merged_under_the_config_and_its_errors_are_named(tmp_path):
+    (tmp_path / "a.yaml").write_text("ppo:\n  num_epochs: 7\n  num_envs: 4\nenv:\n  frame_stack: 2\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nppo:\n  num_envs: 2\n")
+    cfg = load_config(tmp_path / "b.yaml")
+    assert (cfg.ppo.num_epochs, cfg.ppo.num_envs, cfg.env.frame_stack) == (7, 2, 2)
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    (tmp_path / "missing.yaml").write_text("base: nowhere.yaml\n")
+    for name, words in [("loop.yaml", "loop"), ("missing.yaml", "is not a file")]:
+        with pytest.raises(ConfigError, match=words):
+            load_config(tmp_path / name)

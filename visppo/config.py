@@ -314,8 +314,45 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} not found: give the path of a YAML file (see configs/)")
-        data = read_yaml(path)
+        data = read_config_file(path)
     return build_config(data, overrides, source=str(path) if path is not None else "the defaults")
+
+
+MAX_BASE_DEPTH = 8
+"""How many ``base:`` files a config may chain (a loop is refused before this)."""
+
+
+def read_config_file(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A config file's sections, merged over those of the file its top-level ``base:`` names.
+
+    ``base`` is a path relative to the file that holds it; the base may name its own base. This
+    is how the DMC tasks share one recipe: ``configs/dmc_walker_walk.yaml`` is ``base: dmc.yaml``
+    and its ``env.id``.
+    """
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: base files form a loop ({' -> '.join(p.name for p in (*seen, path))}): "
+                          "remove one base key")
+    if len(seen) >= MAX_BASE_DEPTH:
+        raise ConfigError(f"{path}: more than {MAX_BASE_DEPTH} chained base files: merge some of them")
+    data = read_yaml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"{path}: base must be the path of another config file, relative to this one")
+    base_path = path.parent / base
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: its base {base} ({base_path}) is not a file: fix the base key")
+    return _merge(read_config_file(base_path, (*seen, path)), data)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """``over``'s keys over ``base``'s, section by section (nested mappings merge, values replace)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 class _StrictLoader(yaml.SafeLoader):

@@ -1,0 +1,51 @@
+"""tools/sb3_dmc.py: SB3's PPO on a visppo env writes a run folder the learning table reads."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from visppo import seeding
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("sb3_dmc", TOOLS / "sb3_dmc.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sb3_dmc"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sb3_trains_on_visppo_env_and_is_evaluated_on_the_evaluation_stream(tmp_path, monkeypatch):
+    pytest.importorskip("stable_baselines3", reason="the sb3 comparison needs stable-baselines3")
+    from visppo.config import load_config
+
+    tool = _tool()
+    seen = []
+    original = tool.make_env
+    monkeypatch.setattr(tool, "make_env", lambda cfg, stream=seeding.TRAIN: (seen.append(stream), original(cfg, stream))[1])
+    cfg = load_config(None, ["env.id=visppo/DotReach-v0", "env.max_episode_steps=20"])
+    out = tmp_path / "run"
+    result = tool.train(cfg, seed=3, steps=64, num_envs=2, out=out, eval_episodes=2,
+                        n_steps=32, batch_size=32, n_epochs=1)
+    assert seen == [seeding.TRAIN, seeding.TRAIN, seeding.EVAL]
+    saved = json.loads((out / "final_eval.json").read_text())
+    assert saved["mean_return"] == pytest.approx(result["mean_return"]) and len(saved["returns"]) == 2
+    assert all(length == 20 for length in saved["lengths"])
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert (config["ppo"]["total_steps"], config["train"]["seed"], config["env"]["id"]) == (64, 3, "visppo/DotReach-v0")
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "global_step,episode_return" and rows[-1].startswith("64,")
+
+
+def test_bad_arguments_exit_2_and_write_nothing(tmp_path, capsys):
+    tool = _tool()
+    assert tool.main([str(TOOLS.parent / "configs" / "dot_reach.yaml"), "--steps", "0", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.startswith("error:") and not (tmp_path / "x").exists()
+    (tmp_path / "y").mkdir()
+    assert tool.main([str(TOOLS.parent / "configs" / "dot_reach.yaml"), "--out", str(tmp_path / "y")]) == 2

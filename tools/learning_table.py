@@ -1,31 +1,56 @@
-"""The learning table: train configs over seeds, then tabulate returns at fixed step counts.
+"""The learning table: train configs over seeds, evaluate each final policy, tabulate the returns.
 
-    python tools/learning_table.py run configs/balance.yaml configs/push.yaml --seeds 1 2 3 \\
-        --out runs/table [--parallel 2] [key=value ...]
-    python tools/learning_table.py table runs/table --at 100k 250k 500k [--markdown F] [--plot F]
-        [--column eval/success]
-    python tools/learning_table.py table runs/abl/base runs/abl/norm_reward --at 100k --plot F [--per-seed]
+    python tools/learning_table.py run configs/dmc_*.yaml --seeds 1 2 3 --out runs/table \\
+        [--parallel 2] [--eval-episodes 10] [key=value ...]
+    python tools/learning_table.py table runs/table [--at 100k 250k 500k] [--markdown F] [--plot F]
+        [--column eval/return] [--per-seed] [--reps 50000]
+    python tools/learning_table.py table runs/abl/base runs/abl/norm_reward --at 100k --plot F
 
 ``run`` trains every config with every seed (``train.seed=S``, ``train.threads=1``, at most
-``--parallel`` at once: on 2 cores, 2), each in ``OUT/<config>/seed<S>``, logs in its run
-directory; a run that already finished is skipped, one that stopped is resumed.
-``table`` reads every ``OUT/<config>/seed*/metrics.csv`` and prints, per config and step
-count, the mean and standard deviation over seeds of the training-rollout return (and success
-where the task reports it; the mean of the last 100 episodes, as logged), the evaluation
-return where periodic evaluation ran, the wall-clock minutes, and, where one exists for the
-same task and step budget, a published figure with its source. ``--plot`` draws the curves as
-mean +- std bands over seeds. ``--per-seed`` adds each seed's return after the mean, in seed
-order, so a later run of one seed can be set beside the same seed of an earlier table.
+``--parallel`` at once: on 2 cores, 2), each in ``OUT/<config>/seed<S>``, logs in
+``OUT/<config>/seed<S>.log``; a run that already finished is skipped, one that stopped is
+resumed. When a run finishes, its final policy is evaluated::
+
+    visppo eval RUN --episodes N --deterministic --seed 0 --json RUN/final_eval.json
+
+(``N``: ``--eval-episodes``); a finished run without ``final_eval.json`` is evaluated by the
+next ``run``.
+
+``table`` reads every ``OUT/<config>/seed*`` run and prints two tables and a summary line:
+
+- the training curve, per config and step count (``--at``): the mean and standard deviation
+  over seeds of the training-rollout return (and success where the task reports it; the mean
+  of the last 100 episodes, as logged), the periodic evaluation return where it ran, the
+  wall-clock minutes, and the published figures at that budget. ``--plot`` draws the curves as
+  mean +- std bands over seeds (``--column``: which metrics.csv column);
+- the final policy, per config (task) and variant: the mean +- std over seeds of
+  ``final_eval.json``'s ``mean_return``, the number of seeds, the look
+  (``env.kwargs.look`` in the run's config.yaml; ``default`` without one), the budget
+  (``ppo.total_steps``) and the published figures at that budget;
+- per variant, the interquartile mean (IQM) of the final returns across DeepMind Control
+  tasks with its 95% stratified bootstrap interval (``rliable``: ``aggregate_iqm``,
+  ``get_interval_estimates``, ``--reps`` resamples). Scores are the **raw** returns, the
+  suite's 0-1000 scale (the convention for DMC): they are not normalised, so other tasks,
+  whose returns share no scale, are left out of it. The IQM takes the seeds every DMC task of
+  the variant has, one score per (task, seed); tasks resample their runs separately.
+
+``--per-seed`` adds each seed's return after the mean, in seed order, so a later run of one
+seed can be set beside the same seed of an earlier table. ``--markdown F`` writes what is
+printed to F.
 
 An ablation is one ``run`` folder per variant (``--out runs/abl/<variant>`` with the variant's
-``key=value``): ``table`` given several folders labels each row ``config (variant)`` and draws
-the variants of a config in one panel, side by side.
+``key=value``): ``table`` given several folders labels each row ``config (variant)``, draws
+the variants of a config in one panel, side by side, and gives each variant its own IQM.
+
+Bad input (a missing config or folder, a step count that is not one, a run folder without its
+config.yaml, ``--parallel 0``) prints one ``error:`` line and exits with 2, writing nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import statistics
 import subprocess
@@ -34,22 +59,45 @@ import time
 import warnings
 from pathlib import Path
 
+SOURCE = "MR.Q, Table 6"
 PUBLISHED = {
     # env.id -> {steps: [(method, score, source)]}; agent steps (500k agent steps = 1M frames)
-    "dmc:reacher-easy": {500_000: [("SB3 PPO CnnPolicy", 113, "MR.Q, Table 6"), ("DrQ-v2", 938, "MR.Q, Table 6")]},
-    "dmc:cartpole-balance": {500_000: [("SB3 PPO CnnPolicy", 353, "MR.Q, Table 6"), ("DrQ-v2", 993, "MR.Q, Table 6")]},
-    "dmc:cartpole-swingup": {500_000: [("SB3 PPO CnnPolicy", 596, "MR.Q, Table 6"), ("DrQ-v2", 864, "MR.Q, Table 6")]},
-    "dmc:finger-spin": {500_000: [("SB3 PPO CnnPolicy", 241, "MR.Q, Table 6"), ("DrQ-v2", 860, "MR.Q, Table 6")]},
-    "dmc:walker-walk": {500_000: [("SB3 PPO CnnPolicy", 47, "MR.Q, Table 6"), ("DrQ-v2", 766, "MR.Q, Table 6")]},
-    "dmc:cheetah-run": {500_000: [("SB3 PPO CnnPolicy", 155, "MR.Q, Table 6"), ("DrQ-v2", 728, "MR.Q, Table 6")]},
+    f"dmc:{task}": {500_000: [("SB3 PPO CnnPolicy", ppo, SOURCE), ("DrQ-v2", drq, SOURCE)]}
+    for task, ppo, drq in [
+        ("reacher-easy", 113, 938), ("cartpole-balance", 353, 993), ("cartpole-swingup", 596, 864),
+        ("finger-spin", 241, 860), ("walker-walk", 47, 766), ("cheetah-run", 155, 728),
+        ("ball_in_cup-catch", 105, 909), ("finger-turn_easy", 189, 503), ("walker-run", 39, 546),
+        ("reacher-hard", 10, 705),
+    ]
 }
-"""Published figures (MR.Q paper, Fujimoto et al. 2025, Table 6; 10 seeds)."""
+"""Published figures (MR.Q paper, Fujimoto et al. 2025, Table 6, the suite's own look; 10 seeds)."""
+
+FINAL_EVAL = "final_eval.json"
+EVAL_SEED = 0
+POLL_SECONDS = 1.0
+
+
+class UsageError(Exception):
+    """Bad input: reported as one ``error:`` line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose own errors take the same one-line form."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {message} (see learning_table.py --help)\n")
 
 
 def parse_steps(text: str) -> int:
     """'100k' -> 100000, '2M' -> 2000000, '5e5' -> 500000."""
-    scale = {"k": 1_000, "m": 1_000_000}.get(text[-1].lower(), 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
+    scale = {"k": 1_000, "m": 1_000_000}.get(text[-1:].lower(), 1)
+    try:
+        steps = int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise UsageError(f"--at {text!r} is not a step count (e.g. 100k, 2M, 5e5, 102400)") from None
+    if steps <= 0:
+        raise UsageError(f"--at {text!r}: a step count must be positive")
+    return steps
 
 
 # --------------------------------------------------------------------------- run
@@ -59,13 +107,19 @@ def run_dir_of(out: Path, config: Path, seed: int) -> Path:
     return out / config.stem / f"seed{seed}"
 
 
-def command(config: Path, seed: int, run_dir: Path, overrides: list[str]) -> list[str]:
+def train_command(config: Path, seed: int, run_dir: Path, overrides: list[str]) -> list[str]:
     """The training command of one (config, seed): a new run, or the resumption of a stopped one."""
     visppo = [sys.executable, "-m", "visppo", "train"]
     if (run_dir / "checkpoints" / "latest.pt").is_file():
         return [*visppo, "--resume", str(run_dir)]
     return [*visppo, str(config), f"train.seed={seed}", "train.threads=1", "run.progress=false",
             f"run.dir={run_dir}", *overrides]
+
+
+def eval_command(run_dir: Path, episodes: int) -> list[str]:
+    """The final policy's evaluation: deterministic, evaluation stream 0, into RUN/final_eval.json."""
+    return [sys.executable, "-m", "visppo", "eval", str(run_dir), "--episodes", str(episodes),
+            "--deterministic", "--seed", str(EVAL_SEED), "--json", str(run_dir / FINAL_EVAL)]
 
 
 def finished(run_dir: Path) -> bool:
@@ -76,30 +130,57 @@ def finished(run_dir: Path) -> bool:
     if not (config.is_file() and metrics.is_file()):
         return False
     total = yaml.safe_load(config.read_text())["ppo"]["total_steps"]
-    rows = list(csv.DictReader(metrics.open()))
+    with metrics.open() as f:
+        rows = list(csv.DictReader(f))
     return bool(rows) and int(rows[-1]["global_step"]) >= total
 
 
-def run_all(configs: list[Path], seeds: list[int], out: Path, parallel: int, overrides: list[str]) -> int:
-    """Train every (config, seed) not finished yet, ``parallel`` at a time; returns the failures."""
-    todo = [(c, s) for c in configs for s in seeds if not finished(run_dir_of(out, c, s))]
-    running: list[tuple[subprocess.Popen, Path]] = []
+def jobs(configs: list[Path], seeds: list[int], out: Path, overrides: list[str],
+         episodes: int) -> list[tuple[Path, list[list[str]]]]:
+    """(run dir, commands in order) of every (config, seed) with something left to do: train and
+    evaluate a run not finished yet, evaluate a finished one without final_eval.json."""
+    todo = []
+    for config in configs:
+        for seed in seeds:
+            run_dir = run_dir_of(out, config, seed)
+            if not finished(run_dir):
+                todo.append((run_dir, [train_command(config, seed, run_dir, overrides),
+                                       eval_command(run_dir, episodes)]))
+            elif not (run_dir / FINAL_EVAL).is_file():
+                todo.append((run_dir, [eval_command(run_dir, episodes)]))
+    return todo
+
+
+def run_all(configs: list[Path], seeds: list[int], out: Path, parallel: int, overrides: list[str],
+            episodes: int = 10) -> int:
+    """Train and evaluate every (config, seed) with something left to do, ``parallel`` at a
+    time (a run's evaluation follows its training in the same slot); returns the failures."""
+    todo = jobs(configs, seeds, out, overrides, episodes)
+    running: list[tuple[subprocess.Popen, Path, list[list[str]]]] = []
     failures = 0
+
+    def start(run_dir: Path, commands: list[list[str]]) -> None:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        cmd, rest = commands[0], commands[1:]
+        print("start:", " ".join(cmd), flush=True)
+        with (run_dir.parent / f"{run_dir.name}.log").open("a") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        running.append((proc, run_dir, rest))
+
     while todo or running:
         while todo and len(running) < parallel:
-            config, seed = todo.pop(0)
-            run_dir = run_dir_of(out, config, seed)
-            run_dir.parent.mkdir(parents=True, exist_ok=True)
-            log = (run_dir.parent / f"seed{seed}.log").open("a")
-            cmd = command(config, seed, run_dir, overrides)
-            print("start:", " ".join(cmd), flush=True)
-            running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), run_dir))
-        time.sleep(5)
-        for proc, run_dir in list(running):
-            if proc.poll() is not None:
-                running.remove((proc, run_dir))
-                failures += proc.returncode != 0
-                print(f"done ({proc.returncode}): {run_dir}", flush=True)
+            start(*todo.pop(0))
+        time.sleep(POLL_SECONDS)
+        for entry in list(running):
+            proc, run_dir, rest = entry
+            if proc.poll() is None:
+                continue
+            running.remove(entry)
+            print(f"done ({proc.returncode}): {proc.args[3]} {run_dir}", flush=True)
+            if proc.returncode != 0 or (rest and not finished(run_dir)):
+                failures += 1  # a failed or stopped run is not evaluated
+            elif rest:
+                start(run_dir, rest)
     return failures
 
 
@@ -112,14 +193,16 @@ def read_rows(run_dir: Path) -> list[dict[str, float]]:
             return float(v)
         except (TypeError, ValueError):
             return math.nan
-    return [{k: num(v) for k, v in r.items()} for r in csv.DictReader((run_dir / "metrics.csv").open())]
+    with (run_dir / "metrics.csv").open() as f:
+        return [{k: num(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
 def value_at(rows: list[dict[str, float]], column: str, step: int) -> float:
     """The last finite value of ``column`` logged at or before ``step`` (NaN if the run is shorter)."""
     if not rows or rows[-1]["global_step"] < step * 0.98:  # within the last iteration's rounding
         return math.nan
-    found = [r[column] for r in rows if r["global_step"] <= step * 1.02 and math.isfinite(r.get(column, math.nan))]
+    found = [r[column] for r in rows
+             if r["global_step"] <= step * 1.02 and math.isfinite(r.get(column, math.nan))]
     return found[-1] if found else math.nan
 
 
@@ -134,39 +217,129 @@ def wall_minutes(rows: list[dict[str, float]], step: int) -> float:
     return total / 60
 
 
+def seed_number(run_dir: Path) -> int:
+    """'seed12' -> 12, so seeds sort as numbers (seed2 before seed10)."""
+    digits = run_dir.name.removeprefix("seed")
+    return int(digits) if digits.isdigit() else 0
+
+
 def groups(outs: list[Path]) -> list[tuple[str, str, list[Path]]]:
-    """(config, variant, seed run dirs) per config folder of each ``run`` folder; the variant is
-    the ``run`` folder's name when several are compared, else empty."""
+    """(config, variant, seed run dirs in seed order) per config folder of each ``run`` folder;
+    the variant is the ``run`` folder's name when several are compared, else empty."""
     found = []
     for out in outs:
         for group in sorted(p for p in out.iterdir() if p.is_dir()):
-            runs = sorted(d for d in group.glob("seed*") if (d / "metrics.csv").is_file())
+            runs = sorted((d for d in group.glob("seed*") if (d / "metrics.csv").is_file()),
+                          key=seed_number)
             if runs:
                 found.append((group.name, out.name if len(outs) > 1 else "", runs))
     return sorted(found, key=lambda g: g[0])  # a config's variants together, in the folders' order
 
 
-def summarize(outs: list[Path], steps: list[int]) -> list[dict]:
-    """One row per (config, variant, step count): mean and std over seeds of each measured figure."""
+def check_folders(outs: list[Path]) -> None:
+    """Every folder holds runs, and every run its config.yaml; else a UsageError."""
+    for out in outs:
+        if not out.is_dir():
+            raise UsageError(f"{out} is not a folder")
+    found = groups(outs)
+    for out in outs:
+        if not any(run.parent.parent == out for _, _, runs in found for run in runs):
+            raise UsageError(f"{out} holds no runs: give the --out folder of learning_table.py run "
+                             "(OUT/<config>/seed<S>/metrics.csv)")
+    for _, _, runs in found:
+        for run in runs:
+            if not (run / "config.yaml").is_file():
+                raise UsageError(f"{run} has metrics.csv but no config.yaml: not a run folder that "
+                                 "visppo train wrote")
+            final = run / FINAL_EVAL
+            if final.is_file():
+                try:
+                    float(json.loads(final.read_text())["mean_return"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise UsageError(f"{final} is not a visppo eval --json file ({exc!r})") from None
+
+
+def run_env(run_dir: Path) -> tuple[str, str | None, int]:
+    """(env.id, env.kwargs.look or None, ppo.total_steps) of a run, from its config.yaml."""
     import yaml
 
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    env = cfg["env"]
+    return env["id"], (env.get("kwargs") or {}).get("look"), int(cfg["ppo"]["total_steps"])
+
+
+def label(config: str, variant: str) -> str:
+    return f"{config} ({variant})" if variant else config
+
+
+def summarize(outs: list[Path], steps: list[int]) -> list[dict]:
+    """One row per (config, variant, step count): mean and std over seeds of each measured figure."""
     table = []
     for config, variant, runs in groups(outs):
-        env = yaml.safe_load((runs[0] / "config.yaml").read_text())["env"]
-        env_id, look = env["id"], (env.get("kwargs") or {}).get("look")  # dmc: which look drew the frames
-        rows = {d.name: read_rows(d) for d in sorted(runs, key=_seed_number)}
+        env_id, look, _ = run_env(runs[0])  # dmc: which look drew the frames
+        rows = {d.name: read_rows(d) for d in runs}
         for step in steps:
-            row = {"config": f"{config} ({variant})" if variant else config, "env": env_id, "look": look, "steps": step, "seeds": 0}
+            row = {"config": label(config, variant), "env": env_id, "look": look, "steps": step,
+                   "seeds": 0}
             for column in ("episode_return", "episode_success", "eval/return", "eval/success"):
-                seeds = {name: v for name, r in rows.items() if math.isfinite(v := value_at(r, column, step))}
-                row[column], row[f"{column}/seeds"] = _mean_std(list(seeds.values())), seeds
+                seeds = {name: v for name, r in rows.items()
+                         if math.isfinite(v := value_at(r, column, step))}
+                row[column], row[f"{column}/seeds"] = mean_std(list(seeds.values())), seeds
                 if column == "episode_return":
                     row["seeds"] = len(seeds)
-            row["minutes"] = _mean_std([wall_minutes(r, step) for r in rows.values()
-                                        if math.isfinite(value_at(r, "episode_return", step))])
+            row["minutes"] = mean_std([wall_minutes(r, step) for r in rows.values()
+                                       if math.isfinite(value_at(r, "episode_return", step))])
             row["published"] = published_at(env_id, step)
             table.append(row)
     return table
+
+
+def final_results(outs: list[Path]) -> list[dict]:
+    """One row per (config, variant) with a final evaluation: its env, look, budget, each seed's
+    ``mean_return`` (in seed order), their mean +- std, and the published figures."""
+    table = []
+    for config, variant, runs in groups(outs):
+        evaluated = [d for d in runs if (d / FINAL_EVAL).is_file()]
+        if not evaluated:
+            continue
+        env_id, look, budget = run_env(evaluated[0])
+        results = {d.name: json.loads((d / FINAL_EVAL).read_text()) for d in evaluated}
+        seeds = {name: float(r["mean_return"]) for name, r in results.items()}
+        table.append({"config": label(config, variant), "task": config, "variant": variant,
+                      "env": env_id, "look": look or "default", "budget": budget,
+                      "seeds": seeds, "return": mean_std(list(seeds.values())),
+                      "episodes": sorted({int(r.get("episodes", 0)) for r in results.values()}),
+                      "published": published_at(env_id, budget)})
+    return table
+
+
+def iqm_summary(final: list[dict], reps: int = 50_000, seed: int = 0) -> list[dict]:
+    """Per variant: the IQM of the raw final returns over its DMC tasks (one score per task and
+    seed, the seeds every such task has) and its 95% stratified bootstrap interval (rliable)."""
+    import numpy as np
+    from rliable import library as rly
+    from rliable import metrics
+
+    summaries = []
+    for variant in dict.fromkeys(r["variant"] for r in final):
+        rows = [r for r in final if r["variant"] == variant and r["env"].startswith("dmc:")]
+        others = [r["task"] for r in final if r["variant"] == variant and r not in rows]
+        common = set.intersection(*(set(r["seeds"]) for r in rows)) if rows else set()
+        seeds = sorted(common, key=lambda name: seed_number(Path(name)))
+        summary = {"variant": variant, "tasks": [r["task"] for r in rows], "seeds": seeds,
+                   "left_out": others, "iqm": math.nan, "ci": (math.nan, math.nan), "reps": reps}
+        if seeds:
+            scores = np.array([[r["seeds"][s] for r in rows] for s in seeds])  # runs x tasks
+            with warnings.catch_warnings():  # arch: RandomState is deprecated in favour of Generator
+                warnings.simplefilter("ignore", FutureWarning)
+                point, interval = rly.get_interval_estimates(
+                    {"score": scores}, lambda x: np.array([metrics.aggregate_iqm(x)]), reps=reps,
+                    random_state=np.random.RandomState(seed))
+            summary["iqm"] = float(point["score"][0])
+            summary["ci"] = (float(interval["score"][0, 0]), float(interval["score"][1, 0]))
+            summary["scores"] = scores
+        summaries.append(summary)
+    return summaries
 
 
 def published_at(env_id: str, step: int) -> list[tuple[str, float, str]]:
@@ -178,24 +351,23 @@ def published_at(env_id: str, step: int) -> list[tuple[str, float, str]]:
     return []
 
 
-def _seed_number(run_dir: Path) -> int:
-    """'seed12' -> 12, so seeds sort as numbers (seed2 before seed10)."""
-    digits = run_dir.name.removeprefix("seed")
-    return int(digits) if digits.isdigit() else 0
-
-
-def _mean_std(values: list[float]) -> tuple[float, float, int]:
+def mean_std(values: list[float]) -> tuple[float, float, int]:
     if not values:
         return (math.nan, math.nan, 0)
     return (statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0, len(values))
 
 
-def markdown(table: list[dict], per_seed: bool = False) -> str:
-    """The table as markdown; ``per_seed`` adds each seed's return, e.g. ``4.00 ± 1.41 (3, 5)``."""
-    def cell(ms: tuple[float, float, int], digits: int = 2) -> str:
-        mean, std, n = ms
-        return "" if n == 0 else f"{mean:.{digits}f} ± {std:.{digits}f}"
+def cell(ms: tuple[float, float, int], digits: int = 2) -> str:
+    mean, std, n = ms
+    return "" if n == 0 else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
+
+def published_text(figures: list[tuple[str, float, str]]) -> str:
+    return "; ".join(f"{m} {s} ({src})" for m, s, src in figures)
+
+
+def markdown(table: list[dict], per_seed: bool = False) -> str:
+    """The training-curve table; ``per_seed`` adds each seed's return, e.g. ``4.00 ± 1.41 (3, 5)``."""
     def returns(r: dict, column: str) -> str:
         text = cell(r[column])
         if per_seed and text:
@@ -207,12 +379,43 @@ def markdown(table: list[dict], per_seed: bool = False) -> str:
     for r in table:
         if not r["seeds"]:
             continue
-        published = "; ".join(f"{m} {s} ({src})" for m, s, src in r["published"])
         env = f"`{r['env']}`" + (f" ({r['look']} look)" if r.get("look") else "")
         lines.append(f"| {r['config']} | {env} | {r['steps']:,} | {r['seeds']} | "
-                     f"{returns(r, 'episode_return')} | {cell(r['episode_success'])} | {returns(r, 'eval/return')} | "
-                     f"{cell(r['eval/success'])} | {cell(r['minutes'], 0)} | {published} |")
+                     f"{returns(r, 'episode_return')} | {cell(r['episode_success'])} | "
+                     f"{returns(r, 'eval/return')} | {cell(r['eval/success'])} | "
+                     f"{cell(r['minutes'], 0)} | {published_text(r['published'])} |")
     return "\n".join(lines)
+
+
+def final_markdown(final: list[dict], summaries: list[dict], per_seed: bool = False) -> str:
+    """The final-policy table, then one IQM line per variant."""
+    lines = [f"Final policy: `visppo eval RUN --deterministic --seed {EVAL_SEED}`, the mean return "
+             "of each run's episodes, then mean ± std over seeds.", "",
+             "| config | env | look | budget | seeds | episodes | final return | published |",
+             "|" + " --- |" * 8]
+    for r in final:
+        text = cell(r["return"])
+        if per_seed:
+            text += " (" + ", ".join(f"{v:.3g}" for v in r["seeds"].values()) + ")"
+        episodes = "-".join(str(n) for n in dict.fromkeys((r["episodes"][0], r["episodes"][-1])))
+        lines.append(f"| {r['config']} | `{r['env']}` | {r['look']} | {r['budget']:,} | "
+                     f"{len(r['seeds'])} | {episodes} | {text} | {published_text(r['published'])} |")
+    for s in summaries:
+        lines += ["", iqm_line(s)]
+    return "\n".join(lines)
+
+
+def iqm_line(s: dict) -> str:
+    name = f"IQM ({s['variant']})" if s["variant"] else "IQM"
+    left = f"; left out (no common scale): {', '.join(s['left_out'])}" if s["left_out"] else ""
+    if not s["tasks"]:
+        return f"{name}: no DeepMind Control task with a final evaluation{left}"
+    if not s["seeds"]:
+        return f"{name}: the DMC tasks {', '.join(s['tasks'])} share no evaluated seed{left}"
+    lo, hi = s["ci"]
+    return (f"{name} over {len(s['tasks'])} DMC task(s) x {len(s['seeds'])} seed(s) "
+            f"({', '.join(s['seeds'])}), raw returns (0-1000): **{s['iqm']:.1f}** "
+            f"[95% CI {lo:.1f}, {hi:.1f}] (stratified bootstrap, {s['reps']:,} reps, rliable){left}")
 
 
 def plot(outs: list[Path], path: Path, column: str = "episode_return") -> None:
@@ -256,46 +459,102 @@ def _band(ax, runs: list[list[dict[str, float]]], column: str, name: str) -> Non
     ax.fill_between(grid, mean - std, mean + std, alpha=0.25, color=line.get_color())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="train configs x seeds",
-                       description="Train every config with every seed; key=value overrides apply to all runs.")
-    r.add_argument("configs", nargs="+", type=Path, help="config files, then any key=value overrides")
-    r.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="train.seed values (default: 1 2 3)")
+def build_parser() -> Parser:
+    parser = Parser(prog="learning_table.py", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True, parser_class=Parser)
+    r = sub.add_parser("run", help="train configs x seeds, then evaluate each final policy",
+                       description="Train every config with every seed, then evaluate each final "
+                                   "policy; key=value overrides apply to all runs.")
+    r.add_argument("configs", nargs="+", help="config files, then any key=value overrides")
+    r.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3],
+                   help="train.seed values (default: 1 2 3)")
     r.add_argument("--out", type=Path, required=True, help="folder for the runs: OUT/<config>/seed<S>")
     r.add_argument("--parallel", type=int, default=2,
-                   help="runs at once, each with train.threads=1 (default 2: one per core on this machine)")
-    t = sub.add_parser("table", help="tabulate a run folder")
-    t.add_argument("out", type=Path, nargs="+", help="run folders; several: one per variant of an ablation")
+                   help="runs at once, each with train.threads=1 (default 2: one per core here)")
+    r.add_argument("--eval-episodes", type=int, default=10,
+                   help=f"episodes of the final policy's evaluation, RUN/{FINAL_EVAL} (default 10)")
+    t = sub.add_parser("table", help="tabulate run folders")
+    t.add_argument("out", type=Path, nargs="+",
+                   help="run folders; several: one per variant of an ablation")
     t.add_argument("--at", nargs="+", default=["100k", "250k", "500k"],
-                   help="step counts for the rows: each column's last value logged by then, within 2%% (default 100k 250k 500k)")
-    t.add_argument("--markdown", type=Path, help="also write the table to this file")
+                   help="step counts of the training-curve rows: each column's last value logged "
+                        "by then, within 2%% (default 100k 250k 500k)")
+    t.add_argument("--markdown", type=Path, help="also write the tables to this file")
     t.add_argument("--plot", type=Path, help="draw the curves (mean +- std over seeds) to this image")
     t.add_argument("--column", default="episode_return",
                    help="metrics.csv column to plot, e.g. eval/success (default: episode_return)")
-    t.add_argument("--per-seed", action="store_true", help="add each seed's return after the mean, in seed order")
-    ns, rest = parser.parse_known_args(argv)
-    if ns.cmd == "run":
-        configs = [c for c in ns.configs if c.suffix in (".yaml", ".yml")]
-        overrides = [str(c) for c in ns.configs if c.suffix not in (".yaml", ".yml")] + rest
-        missing = [c for c in configs if not c.is_file()]
-        if missing or not configs:
-            print(f"error: config file(s) not found: {', '.join(map(str, missing)) or 'none given'}", file=sys.stderr)
-            return 2
-        return 1 if run_all(configs, ns.seeds, ns.out, ns.parallel, overrides) else 0
-    missing = [str(o) for o in ns.out if not o.is_dir()]
-    if rest or missing:
-        print(f"error: {'unknown arguments ' + ' '.join(rest) if rest else ', '.join(missing) + ' is not a folder'}",
-              file=sys.stderr)
-        return 2
-    text = markdown(summarize(ns.out, [parse_steps(s) for s in ns.at]), ns.per_seed)
+    t.add_argument("--per-seed", action="store_true",
+                   help="add each seed's return after the mean, in seed order")
+    t.add_argument("--reps", type=int, default=50_000,
+                   help="bootstrap resamples of the IQM's interval (default 50000, rliable's)")
+    return parser
+
+
+def cmd_run(ns: argparse.Namespace, rest: list[str]) -> int:
+    from visppo.config import UserError, load_config
+
+    configs = [Path(c) for c in ns.configs if "=" not in c]
+    overrides = [c for c in ns.configs if "=" in c] + rest
+    if ns.parallel < 1:
+        raise UsageError(f"--parallel must be at least 1, got {ns.parallel}")
+    if ns.eval_episodes < 1:
+        raise UsageError(f"--eval-episodes must be at least 1, got {ns.eval_episodes}")
+    missing = [str(c) for c in configs if not c.is_file()]
+    if missing or not configs:
+        raise UsageError(f"config file(s) not found: {', '.join(missing) or 'none given'}")
+    stems = [c.stem for c in configs]
+    if len(set(stems)) < len(stems):
+        raise UsageError(f"two configs share a name ({', '.join(stems)}): each gets OUT/<name>")
+    for item in overrides:
+        if item.split("=", 1)[0].strip() in ("train.seed", "run.dir"):
+            raise UsageError(f"'{item}': run sets train.seed and run.dir itself (--seeds, --out)")
+    for config in configs:
+        try:
+            load_config(config, overrides)
+        except UserError as exc:
+            raise UsageError(str(exc)) from None
+    seeds = list(dict.fromkeys(ns.seeds))
+    return 1 if run_all(configs, seeds, ns.out, ns.parallel, overrides, ns.eval_episodes) else 0
+
+
+def cmd_table(ns: argparse.Namespace, rest: list[str]) -> int:
+    if rest:
+        raise UsageError(f"unknown arguments {' '.join(rest)}")
+    steps = [parse_steps(s) for s in ns.at]
+    if ns.reps < 1:
+        raise UsageError(f"--reps must be at least 1, got {ns.reps}")
+    check_folders(ns.out)
+    for option, path in (("--markdown", ns.markdown), ("--plot", ns.plot)):
+        if path is not None and not path.parent.is_dir():
+            raise UsageError(f"{option} {path}: folder {path.parent} does not exist")
+    if ns.plot is not None:
+        columns = set()
+        for _, _, runs in groups(ns.out):
+            for run in runs:
+                with (run / "metrics.csv").open() as f:
+                    columns.update(next(csv.reader(f), []))
+        if ns.column not in columns:
+            raise UsageError(f"--column {ns.column}: no run logged it (columns: "
+                             f"{', '.join(sorted(columns))})")
+    text = markdown(summarize(ns.out, steps), ns.per_seed)
+    final = final_results(ns.out)
+    if final:
+        text += "\n\n" + final_markdown(final, iqm_summary(final, ns.reps), ns.per_seed)
     print(text)
     if ns.markdown:
         ns.markdown.write_text(text + "\n")
     if ns.plot:
         plot(ns.out, ns.plot, ns.column)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns, rest = build_parser().parse_known_args(argv)
+    try:
+        return cmd_run(ns, rest) if ns.cmd == "run" else cmd_table(ns, rest)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

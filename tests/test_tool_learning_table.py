@@ -1,0 +1,347 @@
+"""tools/learning_table.py as code: its functions and main(), on synthetic run folders (config.yaml,
+metrics.csv, final_eval.json) and on tiny real runs of configs/dot_reach.yaml."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import one_error_line, tiny_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"
+
+
+def load_tool(name: str):
+    """tools/<name>.py as a module (tools/ is not a package)."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    return importlib.import_module(name)
+
+
+lt = load_tool("learning_table")
+
+
+def fake_run(run_dir: Path, env_id: str, total: int, rows: list[tuple], look: str | None = None,
+             final: float | None = None, episodes: int = 10) -> None:
+    """A run folder as visppo train and eval leave it: config.yaml, metrics.csv, final_eval.json."""
+    run_dir.mkdir(parents=True)
+    kwargs = f"  kwargs:\n    look: {look}\n" if look else ""
+    (run_dir / "config.yaml").write_text(f"env:\n  id: {env_id}\n{kwargs}ppo:\n  total_steps: {total}\n")
+    lines = ["global_step,episode_return,episode_success,steps_per_second"]
+    lines += [f"{s},{r},{ok},100.0" for s, r, ok in rows]
+    (run_dir / "metrics.csv").write_text("\n".join(lines) + "\n")
+    if final is not None:
+        (run_dir / "final_eval.json").write_text(json.dumps({"mean_return": final, "episodes": episodes}))
+
+
+def table(capsys, *args) -> tuple[int, str, str]:
+    code = lt.main(["table", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def rows_of(text: str, prefix: str) -> list[list[str]]:
+    return [line.split(" | ") for line in text.splitlines() if line.startswith(f"| {prefix}")]
+
+
+# --------------------------------------------------------------------------- the training-curve table
+
+
+def test_table_takes_mean_and_std_over_seeds_at_each_step_count(tmp_path, capsys):
+    out = tmp_path / "table"
+    fake_run(out / "reach" / "seed1", "visppo/Reach-v0", 2000, [(1000, 1.0, 0.0), (2000, 3.0, 0.5)])
+    fake_run(out / "reach" / "seed2", "visppo/Reach-v0", 2000, [(1000, 2.0, 0.0), (2000, 5.0, 1.0)])
+    fake_run(out / "short" / "seed1", "visppo/Push-v0", 2000, [(1000, 7.0, 0.0)])  # stopped early
+    md = tmp_path / "table.md"
+    code, text, err = table(capsys, out, "--at", "1k", "2k", "--markdown", md, "--plot", tmp_path / "c.png")
+    assert code == 0, err
+    assert md.read_text() == text  # --markdown writes what is printed
+    rows = rows_of(text, "reach") + rows_of(text, "short")
+    assert rows[0][2:6] == ["1,000", "2", "1.50 ± 0.71", "0.00 ± 0.00"]
+    assert rows[1][2:6] == ["2,000", "2", "4.00 ± 1.41", "0.75 ± 0.35"]
+    assert rows[1][8] == "0 ± 0"  # 2000 steps at 100 steps/s: 0.33 minutes
+    assert len(rows) == 3  # the short run has no figure at 2k: its row is left out
+    assert "Final policy" not in text and "IQM" not in text  # no final_eval.json: no final table
+    assert (tmp_path / "c.png").stat().st_size > 0
+    code, _, err = table(capsys, out, "--at", "1k", "--plot", tmp_path / "s.png", "--column", "episode_success")
+    assert code == 0, err
+    assert (tmp_path / "s.png").read_bytes() != (tmp_path / "c.png").read_bytes()  # another column drawn
+
+
+def test_table_compares_variants_of_an_ablation_row_by_row(tmp_path, capsys):
+    base, variant = tmp_path / "abl" / "base", tmp_path / "abl" / "norm_reward"
+    fake_run(base / "reach" / "seed1", "visppo/Reach-v0", 2000, [(1000, 1.0, 0.0), (2000, 3.0, 0.5)])
+    fake_run(variant / "reach" / "seed1", "visppo/Reach-v0", 2000, [(1000, 2.0, 0.0), (2000, 6.0, 1.0)])
+    fake_run(variant / "reach" / "seed2", "visppo/Reach-v0", 2000, [(1000, 2.0, 0.0), (2000, 8.0, 1.0)])
+    fake_run(base / "swingup" / "seed1", "dmc:cartpole-swingup", 2000, [(2000, 140.0, "")], look="fast")
+    code, text, err = table(capsys, base, variant, "--at", "2k", "--plot", tmp_path / "abl.png")
+    assert code == 0, err
+    assert [(r[0], r[3], r[4]) for r in rows_of(text, "reach")] == [
+        ("| reach (base)", "1", "3.00 ± 0.00"), ("| reach (norm_reward)", "2", "7.00 ± 1.41")]
+    assert rows_of(text, "swingup")[0][1] == "`dmc:cartpole-swingup` (fast look)"  # the table says which look
+    assert (tmp_path / "abl.png").stat().st_size > 0
+
+
+def test_table_per_seed_lists_each_seeds_return_in_seed_order(tmp_path, capsys):
+    out = tmp_path / "abl" / "base"
+    for seed, ret in ((10, 30.0), (2, 20.0), (1, 10.0)):  # seed10 sorts after seed2 as a number, not as text
+        fake_run(out / "swingup" / f"seed{seed}", "dmc:cartpole-swingup", 2000, [(2000, ret, "")],
+                 final=ret + 1)
+    code, text, err = table(capsys, out, "--at", "2k", "--per-seed", "--reps", "100")
+    assert code == 0, err
+    curve, final = rows_of(text, "swingup")
+    assert curve[4] == "20.00 ± 10.00 (10, 20, 30)"
+    assert curve[6] == ""  # no periodic evaluation logged: the cell stays empty, with no seed list
+    assert final[6] == "21.00 ± 10.00 (11, 21, 31)"
+    code, text, _ = table(capsys, out, "--at", "2k", "--reps", "100")
+    assert "20.00 ± 10.00 |" in text and "(10, 20, 30)" not in text
+
+
+def test_published_figures_stand_beside_the_row_that_reaches_their_budget():
+    """A 500k-step run of 1024-sample rollouts logs its last row at 500,736: that row, and no
+    earlier one, stands beside the figures published at 500k agent steps."""
+    assert [m for m, *_ in lt.published_at("dmc:walker-walk", 500_736)] == ["SB3 PPO CnnPolicy", "DrQ-v2"]
+    assert lt.published_at("dmc:walker-walk", 500_000)[1][1] == 766
+    assert lt.published_at("dmc:walker-walk", 499_712) == []
+    assert lt.published_at("dmc:walker-walk", 600_000) == []
+    assert lt.published_at("visppo/Reach-v0", 500_736) == []
+
+
+def test_published_holds_the_ten_tasks_of_mrq_table_6():
+    expected = {"reacher-easy": (113, 938), "cartpole-balance": (353, 993), "cartpole-swingup": (596, 864),
+                "finger-spin": (241, 860), "walker-walk": (47, 766), "cheetah-run": (155, 728),
+                "ball_in_cup-catch": (105, 909), "finger-turn_easy": (189, 503), "walker-run": (39, 546),
+                "reacher-hard": (10, 705)}
+    got = {env.removeprefix("dmc:"): tuple(s for _, s, _ in lt.published_at(env, 500_000)) for env in lt.PUBLISHED}
+    assert got == expected
+    assert all(src == "MR.Q, Table 6" for f in lt.PUBLISHED.values() for _, _, src in f[500_000])
+
+
+# --------------------------------------------------------------------------- the final-policy table and the IQM
+
+
+# 4 DMC tasks x 2 seeds, by hand: sorted 10 20 30 40 50 60 70 1000; the IQM drops the lowest and the
+# highest quarter (2 scores each) and averages 30 40 50 60: 45. The plain mean would be 160.
+IQM_SCORES = {"dmc_cartpole_swingup": ("dmc:cartpole-swingup", (10.0, 1000.0)),
+              "dmc_walker_walk": ("dmc:walker-walk", (20.0, 70.0)),
+              "dmc_finger_spin": ("dmc:finger-spin", (60.0, 30.0)),
+              "dmc_reacher_hard": ("dmc:reacher-hard", (40.0, 50.0))}
+
+
+def dmc_runs(out: Path, scores=IQM_SCORES, look: str | None = "fast") -> None:
+    for task, (env_id, finals) in scores.items():
+        for seed, final in enumerate(finals, start=1):
+            fake_run(out / task / f"seed{seed}", env_id, 500_000, [(250_880, final / 2, ""), (500_736, final, "")],
+                     look=look, final=final)
+
+
+def test_final_table_gives_mean_std_seeds_look_budget_and_the_published_figures(tmp_path, capsys):
+    out = tmp_path / "table"
+    dmc_runs(out)
+    fake_run(out / "reach" / "seed1", "visppo/Reach-v0", 4000, [(4096, 5.0, 1.0)], final=7.5, episodes=3)
+    fake_run(out / "reach" / "seed2", "visppo/Reach-v0", 4000, [(2048, 5.0, 1.0)])  # not finished: no final
+    md = tmp_path / "t.md"
+    code, text, err = table(capsys, out, "--at", "500k", "--reps", "200", "--markdown", md)
+    assert code == 0, err
+    assert md.read_text() == text
+    final = {r[0].removeprefix("| "): r for r in rows_of(text, "") if r[2] in ("fast", "default")}
+    assert final["dmc_cartpole_swingup"][1:7] == ["`dmc:cartpole-swingup`", "fast", "500,000", "2", "10",
+                                                  "505.00 ± 700.04"]
+    assert final["dmc_cartpole_swingup"][7] == "SB3 PPO CnnPolicy 596 (MR.Q, Table 6); DrQ-v2 864 (MR.Q, Table 6) |"
+    assert final["dmc_reacher_hard"][6] == "45.00 ± 7.07" and "DrQ-v2 705" in final["dmc_reacher_hard"][7]
+    # no look in the config: the default look; one seed evaluated of two; its own episode count
+    assert final["reach"][1:8] == ["`visppo/Reach-v0`", "default", "4,000", "1", "3", "7.50 ± 0.00", " |"]
+    # the curve table is still there, beside it
+    assert rows_of(text, "dmc_walker_walk")[0][2:5] == ["500,000", "2", "45.00 ± 35.36"]
+
+
+def test_iqm_is_the_interquartile_mean_over_tasks_and_seeds_with_a_bootstrap_interval(tmp_path, capsys):
+    out = tmp_path / "table"
+    dmc_runs(out)
+    fake_run(out / "reach" / "seed1", "visppo/Reach-v0", 4000, [(4096, 5.0, 1.0)], final=900.0)
+    final = lt.final_results([out])
+    [summary] = lt.iqm_summary(final, reps=2000)
+    assert summary["iqm"] == pytest.approx(45.0)  # by hand, above; a plain mean would be 160
+    assert sorted(summary["tasks"]) == sorted(IQM_SCORES) and summary["seeds"] == ["seed1", "seed2"]
+    assert summary["left_out"] == ["reach"]  # not on the suite's 0-1000 scale: not in the IQM
+    lo, hi = summary["ci"]
+    assert 10 <= lo < 45 < hi <= 1000 and hi - lo > 10
+    assert summary["scores"].shape == (2, 4)  # runs x tasks, as rliable takes them
+    again = lt.iqm_summary(final, reps=2000)[0]
+    assert again["ci"] == summary["ci"]  # the bootstrap is seeded: the same table twice
+
+    code, text, err = table(capsys, out, "--at", "500k", "--reps", "2000")
+    assert code == 0, err
+    line = next(line for line in text.splitlines() if line.startswith("IQM"))
+    assert line.startswith("IQM over 4 DMC task(s) x 2 seed(s) (seed1, seed2), raw returns (0-1000): **45.0** "
+                           f"[95% CI {lo:.1f}, {hi:.1f}] (stratified bootstrap, 2,000 reps, rliable)"), line
+    assert line.endswith("left out (no common scale): reach"), line
+
+
+def test_iqm_of_twelve_scores_drops_three_at_each_end_and_uses_the_common_seeds(tmp_path):
+    """4 tasks x 3 seeds: the 25% trimmed mean drops 3 scores at each end. A fourth seed that only
+    one task has is not in the IQM (the matrix is runs x tasks, the same seeds in every task)."""
+    scores = {f"t{i}": (f"dmc:task-{i}", tuple(float(v) for v in vals)) for i, vals in enumerate(
+        [(0, 1, 2), (3, 4, 5), (6, 7, 8), (9, 10, 11)])}
+    out = tmp_path / "t"
+    dmc_runs(out, scores, look=None)
+    fake_run(out / "t0" / "seed4", "dmc:task-0", 500_000, [(500_736, 1.0, "")], final=5000.0)
+    [summary] = lt.iqm_summary(lt.final_results([out]), reps=500)
+    assert summary["seeds"] == ["seed1", "seed2", "seed3"]
+    assert summary["iqm"] == pytest.approx(np.mean([3, 4, 5, 6, 7, 8]))  # 0 1 2 and 9 10 11 dropped
+    assert lt.final_results([out])[0]["look"] == "default"
+
+
+def test_each_variant_gets_its_own_iqm(tmp_path, capsys):
+    base, variant = tmp_path / "abl" / "base", tmp_path / "abl" / "epochs10"
+    dmc_runs(base)
+    dmc_runs(variant, {task: (env, tuple(2 * s for s in finals)) for task, (env, finals) in IQM_SCORES.items()})
+    summaries = {s["variant"]: s for s in lt.iqm_summary(lt.final_results([base, variant]), reps=200)}
+    assert summaries["base"]["iqm"] == pytest.approx(45.0)
+    assert summaries["epochs10"]["iqm"] == pytest.approx(90.0)
+    code, text, err = table(capsys, base, variant, "--at", "500k", "--reps", "200")
+    assert code == 0, err
+    assert [line.split(" over")[0] for line in text.splitlines() if line.startswith("IQM")] == [
+        "IQM (base)", "IQM (epochs10)"]
+
+
+def test_iqm_says_so_when_no_dmc_task_or_no_common_seed(tmp_path):
+    out = tmp_path / "t"
+    fake_run(out / "reach" / "seed1", "visppo/Reach-v0", 4000, [(4096, 5.0, 1.0)], final=7.5)
+    [summary] = lt.iqm_summary(lt.final_results([out]), reps=10)
+    assert math.isnan(summary["iqm"]) and "no DeepMind Control task" in lt.iqm_line(summary)
+    fake_run(out / "a" / "seed1", "dmc:walker-walk", 4000, [(4096, 5.0, "")], final=1.0)
+    fake_run(out / "b" / "seed2", "dmc:walker-run", 4000, [(4096, 5.0, "")], final=2.0)
+    [summary] = lt.iqm_summary(lt.final_results([out]), reps=10)
+    assert math.isnan(summary["iqm"]) and "share no evaluated seed" in lt.iqm_line(summary)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--at", "abc"], "'abc' is not a step count"),
+    (["--at", "0"], "must be positive"),
+    (["--reps", "0"], "--reps"),
+    (["--bogus"], "unknown arguments --bogus"),
+    (["--column", "nope", "--plot", "{tmp}/p.png"], "--column nope"),
+    (["--markdown", "{tmp}/nowhere/t.md"], "does not exist"),
+])
+def test_table_refuses_bad_input_with_one_error_line_and_writes_nothing(tmp_path, capsys, args, needle):
+    out = tmp_path / "t"
+    fake_run(out / "reach" / "seed1", "visppo/Reach-v0", 2000, [(2000, 3.0, 0.5)])
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    before = sorted(tmp_path.rglob("*"))
+    code, text, err = table(capsys, out, "--markdown", tmp_path / "t.md", *args)
+    assert code == 2 and text == ""
+    one_error_line(err, needle)
+    assert sorted(tmp_path.rglob("*")) == before  # no table, no plot
+
+
+def test_table_refuses_folders_that_are_not_run_folders(tmp_path, capsys):
+    code, _, err = table(capsys, tmp_path / "nowhere")
+    assert code == 2 and one_error_line(err, "nowhere", "is not a folder")
+    (tmp_path / "empty").mkdir()
+    code, _, err = table(capsys, tmp_path / "empty")
+    assert code == 2 and one_error_line(err, "holds no runs")
+    run = tmp_path / "t" / "reach" / "seed1"
+    fake_run(run, "visppo/Reach-v0", 2000, [(2000, 3.0, 0.5)])
+    (run / "config.yaml").unlink()
+    code, _, err = table(capsys, tmp_path / "t")
+    assert code == 2 and one_error_line(err, "seed1 has metrics.csv but no config.yaml")
+    fake_run(tmp_path / "u" / "reach" / "seed1", "visppo/Reach-v0", 2000, [(2000, 3.0, 0.5)])
+    (tmp_path / "u" / "reach" / "seed1" / "final_eval.json").write_text("{not json")
+    code, _, err = table(capsys, tmp_path / "u")
+    assert code == 2 and one_error_line(err, "final_eval.json is not a visppo eval --json file")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["configs/dot_reach.yaml", "--parallel", "0"], "--parallel must be at least 1"),
+    (["configs/dot_reach.yaml", "--eval-episodes", "0"], "--eval-episodes must be at least 1"),
+    (["configs/nosuch.yaml"], "configs/nosuch.yaml"),
+    (["configs/dot_reach.yaml", "ppo.bogus=1"], "bogus"),
+    (["configs/dot_reach.yaml", "train.seed=4"], "train.seed=4"),
+    (["configs/dot_reach.yaml", "configs/../configs/dot_reach.yaml"], "share a name"),
+    (["configs/dot_reach.yaml", "--seeds", "x"], "--seeds"),
+    ([], "the following arguments are required"),
+])
+def test_run_refuses_bad_input_with_one_error_line_and_starts_nothing(tmp_path, capsys, monkeypatch, args,
+                                                                     needle):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "out"
+    try:
+        code = lt.main(["run", *args, "--out", str(out)])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    one_error_line(captured.err, needle)
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------- run: tiny real runs
+
+
+def test_run_skips_finished_runs_resumes_stopped_ones_and_evaluates_finished_ones(tmp_path):
+    out, config = tmp_path / "t", Path("configs/dot_reach.yaml")
+    done = lt.run_dir_of(out, config, 1)
+    fake_run(done, "visppo/DotReach-v0", 2000, [(2000, 1.0, 1.0)], final=1.0)
+    assert lt.finished(done)
+    stopped = lt.run_dir_of(out, config, 2)
+    fake_run(stopped, "visppo/DotReach-v0", 4000, [(2000, 1.0, 1.0)])
+    (stopped / "checkpoints").mkdir()
+    (stopped / "checkpoints" / "latest.pt").write_bytes(b"")
+    assert not lt.finished(stopped)
+    unevaluated = lt.run_dir_of(out, config, 3)
+    fake_run(unevaluated, "visppo/DotReach-v0", 2000, [(2048, 1.0, 1.0)])
+    todo = dict(lt.jobs([config], [1, 2, 3, 4], out, ["ppo.total_steps=64"], episodes=5))
+    assert done not in todo  # finished and evaluated: nothing to do
+    resume, evaluate = todo[stopped]
+    assert resume[3:] == ["train", "--resume", str(stopped)]
+    assert evaluate[3:] == ["eval", str(stopped), "--episodes", "5", "--deterministic", "--seed", "0",
+                            "--json", str(stopped / "final_eval.json")]
+    assert [c[3] for c in todo[unevaluated]] == ["eval"]  # finished, no final_eval.json: evaluated only
+    fresh = todo[lt.run_dir_of(out, config, 4)][0]
+    assert "train.seed=4" in fresh and "train.threads=1" in fresh and fresh[-1] == "ppo.total_steps=64"
+
+
+def test_run_trains_then_evaluates_the_final_policy_and_evaluates_a_finished_run_again_if_asked(
+        tmp_path, capsys, monkeypatch):
+    """A tiny DotReach run: trained, then `visppo eval --deterministic --seed 0` writes its
+    final_eval.json; with the file removed, the next `run` evaluates it again (the same figures:
+    a deterministic policy on evaluation stream 0) without training; then nothing is left to do."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(lt, "POLL_SECONDS", 0.2)
+    out = tmp_path / "t"
+    overrides = [o for o in tiny_overrides() if not o.startswith("run.")]
+    run = ["run", "configs/dot_reach.yaml", *overrides, "--seeds", "1", "--out", str(out), "--parallel", "1",
+           "--eval-episodes", "2"]
+    assert lt.main(run) == 0, (out / "dot_reach" / "seed1.log").read_text()
+    started = [line for line in capsys.readouterr().out.splitlines() if line.startswith("start:")]
+    assert [line.split()[4] for line in started] == ["train", "eval"]
+    run_dir = out / "dot_reach" / "seed1"
+    first = json.loads((run_dir / "final_eval.json").read_text())
+    assert first["episodes"] == 2 and first["deterministic"] is True and first["seed"] == 0
+    assert first["global_step"] == 128  # the final policy, after the whole budget
+    metrics = (run_dir / "metrics.csv").read_text()
+
+    (run_dir / "final_eval.json").unlink()
+    assert lt.main(run) == 0
+    started = [line for line in capsys.readouterr().out.splitlines() if line.startswith("start:")]
+    assert [line.split()[4] for line in started] == ["eval"]
+    assert (run_dir / "metrics.csv").read_text() == metrics  # not trained again
+    again = json.loads((run_dir / "final_eval.json").read_text())
+    assert again["returns"] == first["returns"]
+
+    assert lt.main(run) == 0
+    assert "start:" not in capsys.readouterr().out  # finished and evaluated: nothing to do
+    code, text, err = table(capsys, out, "--at", "128", "--reps", "100")
+    assert code == 0, err
+    [final] = [r for r in rows_of(text, "dot_reach") if r[2] == "default"]
+    assert final[3:7] == ["128", "1", "2", f"{first['mean_return']:.2f} ± 0.00"]

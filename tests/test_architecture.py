@@ -11,7 +11,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "visppo"
 
 LAYERS = [
-    {"config", "memory", "metrics", "augment", "buffer", "noise", "seeding"},  # leaves: nothing of visppo but config
+    {"config", "memory", "metrics", "augment", "buffer", "seeding"},  # leaves: nothing of visppo but config
     {"precision", "distributed", "envs", "checkpoint"},
     {"encoders"},
     {"policy"},

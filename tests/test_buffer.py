@@ -90,25 +90,6 @@ def test_buffer_gather_keeps_uint8_and_picks_the_right_samples():
     assert out["obs.pixels"][:, 0, 0, 0].tolist() == [5, 0]
 
 
-def test_previous_actions_and_rewards_are_the_executed_ones_within_an_episode_and_gather_carries_them():
-    obs_space, _ = _spaces(frame_stack=1, size=8, state=False)
-    buf = RolloutBuffer(4, 2, obs_space, gym.spaces.Box(-1.0, 0.5, (1,), np.float32))
-    buf.actions.copy_(torch.tensor([[0.2, -3.0], [0.9, 0.1], [-0.4, 0.3], [0.0, 0.0]]).view(4, 2, 1))
-    buf.rewards.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]]))
-    buf.terminated[1, 0] = True  # env 0's episode ends at step 1: step 2 is a fresh episode's first
-    buf.truncated[2, 1] = True  # env 1's at step 2 (a time limit counts the same)
-    assert "prev_actions" not in buf.gather(torch.tensor([0]), torch.device("cpu"))  # only once filled
-    buf.fill_previous_actions()
-    # executed = clipped to [-1, 0.5]; row t holds step t - 1's; nothing before the rollout's first step
-    torch.testing.assert_close(buf.prev_actions.view(4, 2), torch.tensor([[0, 0], [0.2, -1.0], [0.5, 0.1], [-0.4, 0.3]]))
-    assert buf.prev_valid.tolist() == [[False, False], [True, True], [False, True], [True, False]]
-    # the reward step t - 1 earned, 0 where there is no previous step in the episode
-    assert buf.prev_rewards.tolist() == [[0, 0], [1, 2], [0, 4], [5, 0]]
-    out = buf.gather(torch.tensor([5, 2]), torch.device("cpu"))  # flat index t * N + n
-    assert out["prev_actions"].view(-1).tolist() == pytest.approx([0.1, 0.2]) and out["prev_valid"].tolist() == [True, True]
-    assert out["prev_rewards"].tolist() == [4.0, 1.0]
-
-
 def test_discrete_actions_are_long():
     obs_space, _ = _spaces(state=False)
     buf = RolloutBuffer(2, 2, obs_space, gym.spaces.Discrete(5))

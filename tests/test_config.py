@@ -55,21 +55,11 @@ def test_round_trip_through_plain_dict():
     (["ppo.gamma=1.5"], "ppo.gamma"),
     (["memory.budget=lots"], "memory.budget"),
     (["nonsense"], "key=value"),
-    (["model.detach_actor=true", "model.share_encoder=false"], "model.detach_actor needs model.share_encoder"),
-    (["model.privileged_critic=true"], "set env.state=true"),
-    (["model.privileged_critic=true", "env.state=true", "model.detach_actor=true"], "model.detach_actor=false"),
-    (["model.action_dist=gamma"], "model.action_dist"),
-    (["model.action_dist=beta", "model.final_log_std=-2"], "model.final_log_std"),
-    (["model.noise_beta=3"], "model.noise_beta"),
-    (["model.noise_beta=-0.5"], "model.noise_beta"),
     (["model.shared_layers=-1"], "model.shared_layers"),
-    (["model.action_dist=beta", "model.noise_beta=0.5"], "model.noise_beta"),
-    (["model.keypoint_norm=-1"], "model.keypoint_norm"),
     (["model.keypoint_stride=0"], "model.keypoint_stride"),
     (["model.keypoints=0"], "model.keypoints"),
     (["model.encoder=drq", "model.keypoints=64"], "model.keypoints"),
     (["env.image_size=12", "model.keypoint_stride=8"], "env.image_size"),
-    (["model.encoder=nature", "model.keypoint_norm=64"], "model.keypoint_norm"),
 ])
 def test_bad_values_are_refused_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -114,28 +104,31 @@ def test_a_removed_key_is_refused_with_what_happened_to_it(tmp_path):
     assert build_config({"rollout": {"overlap": False, "device": "cpu"}}).rollout.device == "cpu"
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["model.recon_size=21"], "ppo.recon_coef"),
-    (["ppo.recon_coef=1.0"], "model.recon_size"),
-    (["model.recon_size=-1", "ppo.recon_coef=1.0"], "model.recon_size"),
-    (["model.recon_size=200", "ppo.recon_coef=1.0"], "model.recon_size"),
-    (["model.recon_size=21", "ppo.recon_coef=-1"], "ppo.recon_coef"),
-    (["model.recon_motion=4"], "model.recon_motion"),
-    (["model.recon_size=21", "ppo.recon_coef=1", "model.recon_motion=-1", "env.frame_stack=3"], "model.recon_motion"),
-    (["model.recon_size=21", "ppo.recon_coef=1", "model.recon_motion=4", "env.frame_stack=1"], "env.frame_stack"),
-    (["model.recon_size=21", "ppo.recon_coef=1", "model.augment=shift", "ppo.drac_coef=0.1"], "ppo.drac_coef"),
-    (["model.invdyn=true"], "ppo.invdyn_coef"),
-    (["ppo.invdyn_coef=1.0"], "model.invdyn"),
-    (["model.invdyn=true", "ppo.invdyn_coef=-1"], "ppo.invdyn_coef"),
-    (["model.invdyn=true", "ppo.invdyn_coef=1", "model.augment=shift", "ppo.drac_coef=0.1"], "ppo.drac_coef"),
-    (["model.invdyn=true", "ppo.invdyn_coef=1", "env.frame_stack=1"], "env.frame_stack"),
-    (["model.reward_head=true"], "ppo.reward_coef"),
-    (["ppo.reward_coef=1.0"], "model.reward_head"),
-    (["model.reward_head=true", "ppo.reward_coef=-1"], "ppo.reward_coef"),
-    (["model.reward_head=true", "ppo.reward_coef=1", "model.augment=shift", "ppo.drac_coef=0.1"], "ppo.drac_coef"),
-])
-def test_auxiliary_loss_config_is_checked(overrides, key):
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        load_config(None, overrides)
-    assert load_config(None, ["model.recon_size=21", "ppo.recon_coef=1.0"]).model.recon_size == 21
-    assert load_config(None, ["model.invdyn=true", "ppo.invdyn_coef=1", "env.frame_stack=3"]).model.invdyn
+RETIRED = {  # issue 55: the keys removed on 2026-12-03, their old defaults and another value each
+    "model.recon_size": (0, 21), "model.recon_motion": (0.0, 4.0), "ppo.recon_coef": (0.0, 1.0),
+    "model.invdyn": (False, True), "ppo.invdyn_coef": (0.0, 1.0), "model.reward_head": (False, True),
+    "ppo.reward_coef": (0.0, 1.0), "model.detach_actor": (False, True), "model.privileged_critic": (False, True),
+    "model.action_dist": ("normal", "beta"), "model.noise_beta": (0.0, 0.5), "model.keypoint_norm": (0, 4096),
+}
+
+
+@pytest.mark.parametrize("key", sorted(RETIRED))
+def test_each_retired_key_is_refused_as_removed_and_dropped_at_its_old_default(tmp_path, capsys, key):
+    """On the command line (any value) and in a file (another value than its old default) the key
+    is refused as removed; a saved config holding it at the old default loads quietly."""
+    from visppo.cli import main
+
+    old, other = RETIRED[key]
+    removed = rf"{key.replace('.', '[.]')} \(.*\) was removed on 2026-12-03 .*delete the key"
+    with pytest.raises(ConfigError, match=removed):
+        load_config(None, [f"{key}={other}"])
+    code, err = main(["config", f"{key}={other}"]), capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "was removed" in err, err
+    section, name = key.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{section}:\n  {name}: {other}\n")
+    with pytest.raises(ConfigError, match=removed + r".*old\.yaml"):
+        load_config(path)
+    saved = to_dict(Config())
+    saved[section][name] = old
+    assert from_dict(saved) == Config()

@@ -229,43 +229,6 @@ def test_keypoint_count_and_stride_shape_the_maps():
     assert SpatialSoftmaxCNN(9, 84, 16).convs(torch.rand(1, 9, 84, 84)).shape[-1] == 20
 
 
-def test_keypoint_norm_standardises_by_the_first_frames_then_keeps_its_statistics():
-    """model.keypoint_norm: the moments merged batch by batch equal those of all frames together;
-    after norm_samples frames, and in any pass with a gradient, they no longer move."""
-    from visppo.encoders import SpatialSoftmaxCNN
-
-    torch.manual_seed(0)
-    enc = SpatialSoftmaxCNN(3, 36, 8, keypoints=4, norm_samples=40)
-    frames = torch.randint(0, 256, (60, 3, 36, 36), dtype=torch.uint8)
-    with torch.no_grad():
-        raw = enc.keypoint_xy(enc.convs(frames[:40].float() / 255)).double()
-    assert float(raw.std(0).median()) < 0.01  # untrained: the keypoints barely move
-    with torch.inference_mode():
-        for lo, hi in ((0, 7), (7, 8), (8, 40)):  # uneven batches, as collection and value passes
-            enc(frames[lo:hi])
-    # (float32 keypoints of a batch differ from the whole's in the last bits: the moments' merge is exact)
-    torch.testing.assert_close(enc.kp_mean, raw.mean(0), atol=1e-9, rtol=1e-5)
-    torch.testing.assert_close(enc.kp_m2 / enc.kp_count, raw.var(0, unbiased=False), atol=1e-12, rtol=1e-3)
-    assert enc.kp_count == 40
-    kept = [b.clone() for b in (enc.kp_count, enc.kp_mean, enc.kp_m2)]
-    with torch.inference_mode():
-        enc(frames[40:])  # past norm_samples
-    enc(frames[40:]).sum().backward()  # the update's passes
-    for before, after in zip(kept, (enc.kp_count, enc.kp_mean, enc.kp_m2)):
-        torch.testing.assert_close(after, before, atol=0, rtol=0)
-    # the proj reads standardised keypoints: mean 0, std 1 over the frames that set them
-    with torch.no_grad():
-        seen = []
-        enc.proj.register_forward_hook(lambda m, i, o: seen.append(i[0]))
-        enc(frames[:40])
-    torch.testing.assert_close(seen[0].double().mean(0), torch.zeros(8, dtype=torch.float64), atol=1e-4, rtol=0)
-    torch.testing.assert_close(seen[0].double().std(0, unbiased=False), torch.ones(8, dtype=torch.float64),
-                               atol=1e-3, rtol=0)
-    # saved with the weights; an encoder without it has no such entries (older checkpoints load)
-    assert {"kp_count", "kp_mean", "kp_m2"} <= set(enc.state_dict())
-    assert not any(k.startswith("kp_") for k in SpatialSoftmaxCNN(3, 36, 8, keypoints=4).state_dict())
-
-
 def test_spatial_softmax_follows_a_moving_object():
     """With the trunk set to detect red, the keypoint moves with a red square across the frame."""
     from visppo.encoders import SpatialSoftmaxCNN

@@ -173,6 +173,56 @@ def test_other_architecture_is_refused(ckpt, tmp_path):
         assert key in msg
 
 
+RETIRED_TENSORS = {  # what checkpoints of the features removed on 2026-12-03 (issue 55) held besides
+    "decoder.0.weight": (32, 32), "decoder.2.bias": (27,),  # model.recon_size
+    "invdyn.0.weight": (32, 32), "invdyn.2.bias": (2,),  # model.invdyn
+    "reward_head.0.weight": (32, 32), "reward_head.2.bias": (1,),  # model.reward_head
+    "encoder.pixels.kp_count": (), "encoder.pixels.kp_mean": (64,), "encoder.pixels.kp_m2": (64,),  # keypoint_norm
+    "critic_encoder.state.0.weight": (64, 4), "critic_encoder.state.0.bias": (64,),  # model.privileged_critic
+}
+
+
+def test_an_old_checkpoint_with_retired_keys_and_heads_evaluates_resumes_and_gives_weights(ckpt, run_dir, tmp_path):
+    """A checkpoint saved before issue 55's removals: its config holds the removed keys at their old
+    defaults and its state dict tensors of removed heads. Both are dropped: it evaluates as the
+    same policy, resumes, and fills model.encoder_weights."""
+    import shutil
+
+    from visppo.builders import build_policy
+    from visppo.checkpoint import load_for_resume
+    from visppo.config import REMOVED
+    from visppo.envs import make_env
+    from visppo.evaluate import load_policy
+
+    config = {section: dict(values) if isinstance(values, dict) else values for section, values in ckpt["config"].items()}
+    for key, (default, _) in REMOVED.items():
+        section, name = key.split(".")
+        config[section][name] = default
+    model = {**ckpt["model"], **{k: torch.zeros(shape) for k, shape in RETIRED_TENSORS.items()}}
+    old = {**ckpt, "config": config, "model": model}
+    policy, _, _ = load_policy(_save(tmp_path, old, "old.pt"))
+    assert policy.state_dict().keys() == ckpt["model"].keys()
+    for key, value in ckpt["model"].items():
+        assert torch.equal(policy.state_dict()[key], value), key
+    assert evaluate(tmp_path / "old.pt", episodes=1)["episodes"] == 1
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    torch.save(old, copy / "checkpoints" / "latest.pt")
+    cfg, resume = load_for_resume(copy, [f"ppo.total_steps={ckpt['global_step'] + 64}"])
+    assert train(cfg, resume=resume) == copy
+    assert torch.load(copy / "checkpoints" / "latest.pt", weights_only=True)["global_step"] == ckpt["global_step"] + 64
+
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"model.encoder_weights": tmp_path / "old.pt"}))
+    env = make_env(cfg)
+    try:
+        filled = build_policy(cfg, env.observation_space, env.action_space, torch.device("cpu"))
+    finally:
+        env.close()
+    for key, value in filled.encoder.pixels.state_dict().items():
+        assert torch.equal(value, ckpt["model"][f"encoder.pixels.{key}"]), key
+
+
 def test_missing_and_non_run_dirs(tmp_path):
     with pytest.raises(CheckpointError, match="not found"):
         evaluate(tmp_path / "nope", episodes=1)

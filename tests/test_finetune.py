@@ -102,28 +102,6 @@ def test_encoder_part_of_a_visppo_checkpoint_loads_on_another_task(tmp_path):
         assert torch.equal(got[key], expected[key]), key
 
 
-def test_weights_and_freezing_with_a_state_only_critic(tmp_path):
-    """model.privileged_critic: the critic's encoder has no pixels, so weights fill and freezing
-    freezes the actor's trunk alone, and the critic still trains while the trunk is frozen."""
-    torch.manual_seed(3)
-    src = ActorCritic(_space(6), BOX, ModelConfig(feature_dim=16, hidden_dim=16))
-    path = tmp_path / "latest.pt"
-    torch.save({"model": src.state_dict(), "optimizer": {}, "config": {}, "global_step": 0}, path)
-    cfg = load_config(None, [f"model.encoder_weights={path}", "model.privileged_critic=true", "env.state=true",
-                             "env.image_size=32", "model.feature_dim=16", "model.hidden_dim=16", "train.device=cpu"])
-    policy = build_policy(cfg, _space(6, state=True), BOX, CPU)
-    for key, value in policy.encoder.pixels.state_dict().items():
-        assert torch.equal(value, src.encoder.pixels.state_dict()[key]), key
-    freeze = FreezeSchedule(policy.encoders(), 1)
-    assert freeze.frozen and policy.encoder.pixels.frozen
-    obs = {"pixels": torch.randint(0, 256, (4, 6, 32, 32), dtype=torch.uint8), "state": torch.randn(4, 3)}
-    logp, _, value = policy.score_actions(obs, torch.zeros(4, 2))
-    (value.sum() - logp.sum()).backward()
-    freeze()
-    assert all(p.grad is None for p in policy.trunk_parameters())
-    assert all(p.grad is not None for p in policy.critic_encoder.parameters())
-
-
 def test_mismatched_weights_are_refused_with_the_keys_listed(tmp_path):
     state = torchvision.models.resnet18(weights=None).state_dict()
     del state["layer1.0.conv1.weight"]

@@ -74,5 +74,3 @@ def test_a_gaussian_mean_beyond_the_bounds_is_counted():
     assert activation_health(pol, *_batch(), action_space=wide)["health/mean_out_of_bounds"] == 0.0, \
         "unbounded dimensions are left out, the bounded one is inside"
     assert math.isnan(activation_health(pol, *_batch())["health/mean_out_of_bounds"]), "no bounds given"
-    assert math.isnan(activation_health(_policy(action_dist="beta"), *_batch(),
-                                        action_space=ACTIONS)["health/mean_out_of_bounds"]), "a Beta stays inside"

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import infer_with, setup_of, update_with
 
-from visppo.buffer import RolloutBuffer, obs_of
+from visppo.buffer import RolloutBuffer
 from visppo.config import ModelConfig, PPOConfig
 from visppo.policy import ActorCritic
 from visppo.ppo import minibatch_gradient, ppo_loss, update_value_norm
@@ -20,13 +20,11 @@ def _spaces(state=True, discrete=False):
     return gym.spaces.Dict(spaces), gym.spaces.Discrete(4) if discrete else gym.spaces.Box(-1, 1, (2,), np.float32)
 
 
-def _setup(state=True, discrete=False, T=6, N=4, seed=0, share=True, encoder="nature", recon_size=0, invdyn=False,
-           action_dist="normal", reward_head=False):
+def _setup(state=True, discrete=False, T=6, N=4, seed=0, share=True, encoder="nature"):
     torch.manual_seed(seed)
     obs_space, act_space = _spaces(state, discrete)
     policy = ActorCritic(obs_space, act_space, ModelConfig(feature_dim=32, hidden_dim=32, share_encoder=share,
-                                                          encoder=encoder, recon_size=recon_size, invdyn=invdyn,
-                                                          action_dist=action_dist, reward_head=reward_head))
+                                                          encoder=encoder))
     buf = RolloutBuffer(T, N, obs_space, act_space)
     g = torch.Generator().manual_seed(seed)
     buf.obs["pixels"].copy_(torch.randint(0, 256, buf.obs["pixels"].shape, generator=g, dtype=torch.uint8))
@@ -41,9 +39,6 @@ def _setup(state=True, discrete=False, T=6, N=4, seed=0, share=True, encoder="na
     buf.advantages.normal_(generator=g)
     buf.returns.copy_(buf.values + buf.advantages)
     buf.rewards.uniform_(0, 2, generator=g)
-    if invdyn or reward_head:
-        buf.terminated[2, 1] = buf.truncated[3, 0] = True  # episode ends: no previous step after them
-        buf.fill_previous_actions()
     return policy, buf
 
 
@@ -72,65 +67,19 @@ def _grads(policy, buf, mb, micro, cfg):
 
 
 @pytest.mark.parametrize("micro", [1, 4, 5, 7, 20])
-@pytest.mark.parametrize("discrete,share,encoder,recon,invdyn,dist", [
-    (False, True, "nature", 0, False, "normal"), (True, False, "nature", 0, False, "normal"),
-    (False, True, "spatial_softmax", 0, False, "normal"), (False, True, "nature", 8, False, "normal"),
-    (False, True, "nature", 8, True, "normal"), (False, True, "nature", 0, False, "beta")])
-def test_accumulated_gradient_equals_full_minibatch_gradient(micro, discrete, share, encoder, recon, invdyn, dist):
-    policy, buf = _setup(discrete=discrete, share=share, encoder=encoder, recon_size=recon, invdyn=invdyn,
-                         action_dist=dist)
-    cfg = PPOConfig(clip_value=True, entropy_coef=0.01, recon_coef=0.5 if recon else 0.0,
-                    invdyn_coef=2.0 if invdyn else 0.0)
+@pytest.mark.parametrize("discrete,share,encoder", [
+    (False, True, "nature"), (True, False, "nature"), (False, True, "spatial_softmax")])
+def test_accumulated_gradient_equals_full_minibatch_gradient(micro, discrete, share, encoder):
+    policy, buf = _setup(discrete=discrete, share=share, encoder=encoder)
+    cfg = PPOConfig(clip_value=True, entropy_coef=0.01)
     mb = torch.randperm(buf.size, generator=torch.Generator().manual_seed(1))[:20]
     full, full_stats = _grads(policy, buf, mb, 20, cfg)
     acc, acc_stats = _grads(policy, buf, mb, micro, cfg)
     assert full.keys() == acc.keys() and len(full) > 4
-    assert ("recon_loss" in full_stats) == bool(recon) and any(n.startswith("decoder") for n in full) == bool(recon)
-    assert ("invdyn_loss" in full_stats) == invdyn and any(n.startswith("invdyn") for n in full) == invdyn
-    atol = 1e-6 if recon else 1e-7  # the reconstruction error sums 192 pixels: larger gradients, same rtol
-    for name in full:
-        torch.testing.assert_close(acc[name], full[name], rtol=1e-5, atol=atol, msg=name)
-    for k in full_stats:  # minibatch statistics are over the whole minibatch, not per slice
-        assert float(acc_stats[k]) == pytest.approx(float(full_stats[k]), rel=1e-5, abs=1e-7)
-
-
-@pytest.mark.parametrize("micro", [1, 7, 20])
-def test_accumulated_gradient_equals_full_minibatch_gradient_with_reward_prediction(micro):
-    policy, buf = _setup(reward_head=True, invdyn=True)
-    cfg = PPOConfig(reward_coef=2.0, invdyn_coef=1.0)
-    mb = torch.randperm(buf.size, generator=torch.Generator().manual_seed(1))[:20]
-    full, full_stats = _grads(policy, buf, mb, 20, cfg)
-    acc, acc_stats = _grads(policy, buf, mb, micro, cfg)
-    assert {"reward_loss", "invdyn_loss"} <= full_stats.keys() and any(n.startswith("reward_head") for n in full)
     for name in full:
         torch.testing.assert_close(acc[name], full[name], rtol=1e-5, atol=1e-7, msg=name)
-    for k in full_stats:
+    for k in full_stats:  # minibatch statistics are over the whole minibatch, not per slice
         assert float(acc_stats[k]) == pytest.approx(float(full_stats[k]), rel=1e-5, abs=1e-7)
-
-
-@pytest.mark.parametrize("term", ["invdyn", "reward"])
-def test_auxiliary_term_is_its_weight_times_the_error_where_a_previous_step_exists(term):
-    """The update's gradient with model.invdyn (model.reward_head) is the PPO loss's plus the
-    coefficient times the mean, over the minibatch, of each sample's error on the previous action
-    (reward), samples without a previous step in their episode counting 0."""
-    policy, buf = _setup(invdyn=term == "invdyn", reward_head=term == "reward")
-    mb = torch.randperm(buf.size, generator=torch.Generator().manual_seed(1))[:20]
-    assert not bool(buf.flat(buf.prev_valid)[mb].all())  # the mask is exercised
-    with_term, stats = _grads(policy, buf, mb, 7, PPOConfig(**{f"{term}_coef": 3.0}))
-    without, _ = _grads(policy, buf, mb, 7, PPOConfig())
-    policy.zero_grad(set_to_none=True)
-    batch = buf.gather(mb, torch.device("cpu"))
-    error = policy.score_actions_aux(obs_of(batch), batch["actions"], batch["prev_actions"],
-                                     batch["prev_rewards"])[3][f"{term}_loss"]
-    (3.0 * (error * batch["prev_valid"]).mean()).backward()
-    for name, g in with_term.items():
-        extra = dict(policy.named_parameters())[name].grad
-        want = without.get(name, torch.zeros_like(g)) + (extra if extra is not None else 0.0)
-        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6, msg=name)
-    assert float(stats[f"{term}_loss"]) == pytest.approx(float((error * batch["prev_valid"]).mean()), rel=1e-5)
-    buf.prev_actions = buf.prev_valid = buf.prev_rewards = None  # never filled: refused, not silently left out
-    with pytest.raises(RuntimeError, match="fill_previous_actions"):
-        _grads(policy, buf, mb, 7, PPOConfig(**{f"{term}_coef": 3.0}))
 
 
 def test_ppo_loss_matches_hand_computation():

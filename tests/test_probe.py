@@ -22,15 +22,6 @@ def test_fake_mode_estimate_matches_real_cpu_measurement():
     assert fake.activations("micro_batch", 64) > 1.5 * fake.activations("micro_batch", 16)
 
 
-def test_the_probed_update_pass_includes_the_inverse_dynamics_term():
-    """With model.invdyn the probe's backward pass is the update's: the head's activations count."""
-    base = {"env.image_size": 64, "env.frame_stack": 2}
-    plain = Prober(load_config(None, tiny_overrides(**base)), torch.device("cpu"), "real")
-    cfg = load_config(None, tiny_overrides(**base, **{"model.invdyn": True, "ppo.invdyn_coef": 1.0}))
-    with_head = Prober(cfg, torch.device("cpu"), "real")
-    assert with_head.activations("micro_batch", 32) > plain.activations("micro_batch", 32)
-
-
 def test_search_returns_the_largest_size_under_the_limit():
     cfg = load_config(None, tiny_overrides(**{"ppo.num_steps": 64, "ppo.minibatch_size": 128}))
     prober = Prober(cfg, torch.device("cpu"), "fake")

@@ -211,29 +211,3 @@ def test_truncated_final_observations_are_kept_for_recomputing_their_bootstrap()
         assert np.array_equal(buf.last_obs[key].numpy(), arr)
 
 
-class NoiseEchoPolicy:
-    """Acts the noise it is given (a zero-mean, unit-std Gaussian's sample): shows what collect passed."""
-
-    def act(self, obs, noise=None):
-        n = obs["pixels"].shape[0]
-        assert noise is not None, "collect must pass the env's noise when the state has some"
-        return noise.clone(), torch.zeros(n), torch.zeros(n)
-
-    def value(self, obs):
-        return torch.zeros(obs["pixels"].shape[0])
-
-
-def test_colored_noise_drives_the_actions_and_restarts_when_an_episode_ends():
-    from visppo.noise import ColoredNoise
-
-    envs, _ = _envs(limit=3)
-    buf = RolloutBuffer(5, 1, envs.single_observation_space, envs.single_action_space)
-    state = RolloutState.start(envs, seed=0)
-    state.noise = ColoredNoise(0.5, 1, 1, 100, seed=7)
-    first_sequence = state.noise.series[0, :, 0].copy()
-    collect(envs, NoiseEchoPolicy(), buf, state, torch.device("cpu"))
-    acted = buf.actions[:, 0, 0].numpy()
-    np.testing.assert_allclose(acted[:3], first_sequence[:3], rtol=1e-6)  # the first episode: 3 steps
-    second_sequence = state.noise.series[0, :, 0]
-    np.testing.assert_allclose(acted[3:], second_sequence[:2], rtol=1e-6)  # a fresh sequence from its start
-    assert state.noise.t.tolist() == [2]

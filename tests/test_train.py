@@ -5,9 +5,7 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
-from visppo.checkpoint import load_for_resume
 from visppo.config import load_config
-from visppo.evaluate import evaluate
 from visppo.train import train
 
 
@@ -246,18 +244,3 @@ def test_a_flat_critic_is_reported_once_after_20_iterations_in_a_row():
     assert len(said) == 1 and said[0].startswith("warning: ") and "model.norm_value=true" in said[0]
 
 
-def test_a_privileged_critic_trains_resumes_and_evaluates_from_the_frames(tmp_path):
-    """model.privileged_critic end to end: the critic's encoder holds a state MLP and no pixel
-    trunk, the run resumes from its checkpoint, and evaluation runs the saved policy."""
-    extra = {"env.state": "true", "model.privileged_critic": "true", "run.checkpoint_every": 1}
-    run_dir = train(load_config(None, tiny_overrides(tmp_path, **extra, **{"ppo.total_steps": 64})))
-    ckpt = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)
-    keys = ckpt["model"].keys()
-    assert any(k.startswith("critic_encoder.state.") for k in keys)
-    assert not any(k.startswith("critic_encoder.pixels.") for k in keys)
-    assert not any(k.startswith("encoder.state.") for k in keys)
-    cfg, ckpt = load_for_resume(run_dir, ["ppo.total_steps=128"])
-    train(cfg, resume=ckpt)
-    assert torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)["global_step"] == 128
-    result = evaluate(run_dir, episodes=2, deterministic=True)
-    assert result["episodes"] == 2 and math.isfinite(result["mean_return"])

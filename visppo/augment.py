@@ -19,9 +19,8 @@ shifted frames, drawn afresh per minibatch, against the ``logp_old`` of the fram
 policy acted on: the ratio then mixes two inputs, as above, so its clipping also measures
 how far a shift moves the policy. Cheap (no second pass); measured, not assumed. The
 denominator must stay the acting pass's, the probability the action was drawn with.
-Recomputing it on the shifted frames (tried 2026-11-27, README) starts the ratio at 1 but
-weights actions drawn on the plain frames as if drawn on the shifted ones, and the update
-diverged (approx-KL above 1e5 by 100k steps on DMC reacher-easy).
+Recomputing it on the shifted frames starts the ratio at 1 but weights actions drawn on the
+plain frames as if drawn on the shifted ones, and the update diverged (docs/learning.md).
 
 Random rotation (``model.augment=rotate``): each sample's frames turned by one angle about
 the image centre, nearest pixel, uint8 in and out, the corners outside the turned frame black.
@@ -45,7 +44,7 @@ import math
 
 import torch
 from torch import nn
-from torch.distributions import Beta, Categorical, Distribution, Independent, Normal, kl_divergence
+from torch.distributions import Categorical, Distribution, Normal, kl_divergence
 
 AUGMENTATIONS = ("none", "shift", "rotate")
 
@@ -155,10 +154,6 @@ def _detached(dist: Distribution) -> Distribution:
         return Categorical(logits=dist.logits.detach(), validate_args=False)
     if isinstance(dist, Normal):
         return Normal(dist.loc.detach(), dist.scale.detach(), validate_args=False)
-    if isinstance(dist, Independent) and isinstance(dist.base_dist, Beta):  # model.action_dist=beta
-        base = dist.base_dist
-        return Independent(Beta(base.concentration1.detach(), base.concentration0.detach(), validate_args=False),
-                           dist.reinterpreted_batch_ndims, validate_args=False)
     raise TypeError(f"DrAC does not support {type(dist).__name__}")
 
 

@@ -154,20 +154,8 @@ class RolloutBuffer:
             self.obs[key] = alloc(tuple(space.shape), dtype, hwc=channels_last and image)
         if isinstance(action_space, gym.spaces.Discrete):
             self.actions = alloc((), torch.long)
-            self.action_bounds = None
         else:
             self.actions = alloc(tuple(action_space.shape), torch.float32)
-            self.action_bounds = (torch.as_tensor(action_space.low, dtype=torch.float32, device=device),
-                                  torch.as_tensor(action_space.high, dtype=torch.float32, device=device))
-            """What the env clips the policy's (unclipped, stored) actions to."""
-        self.prev_actions: torch.Tensor | None = None
-        """``[T, N, ...]`` with ``prev_valid``: set by ``fill_previous_actions`` for an update that
-        needs each sample's previous action or reward (model.invdyn, model.reward_head); ``gather``
-        then carries them."""
-        self.prev_valid: torch.Tensor | None = None
-        self.prev_rewards: torch.Tensor | None = None
-        """``[T, N]``, the reward each env received for step ``t - 1`` (the one that led to the
-        observation at ``t``; 0 where ``prev_valid`` is false): set with ``prev_actions``."""
         self.logp = alloc((), torch.float32)
         self.values = alloc((), torch.float32)
         self.rewards = alloc((), torch.float32)
@@ -198,21 +186,6 @@ class RolloutBuffer:
     def flat_obs(self) -> dict[str, torch.Tensor]:
         return {k: self.flat(v) for k, v in self.obs.items()}
 
-    def fill_previous_actions(self) -> None:
-        """Set ``prev_actions[t]``, the action each env executed at step ``t - 1`` (clipped to the
-        action space, as the env ran it), ``prev_rewards[t]``, the reward that step earned, and
-        ``prev_valid[t]``, whether that step is in the same episode: never at ``t = 0`` (the
-        previous rollout is gone) nor on an episode's first step. For the auxiliary heads that
-        read what led to each observation (model.invdyn, model.reward_head)."""
-        executed = self.actions if self.action_bounds is None else self.actions.clamp(*self.action_bounds)
-        prev = torch.zeros_like(self.actions)
-        prev[1:] = executed[:-1]
-        valid = torch.zeros_like(self.terminated)
-        valid[1:] = ~(self.terminated[:-1] | self.truncated[:-1])
-        rewards = torch.zeros_like(self.rewards)
-        rewards[1:] = self.rewards[:-1]
-        self.prev_actions, self.prev_valid, self.prev_rewards = prev, valid, rewards * valid
-
     def truncated_final_obs(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Flat indices of the rollout's time-limit truncations and their final observations."""
         if not self.truncations:
@@ -232,9 +205,6 @@ class RolloutBuffer:
         sources = {f"obs.{k}": v for k, v in self.obs.items()}
         for name in ("actions", "logp", "values", "returns"):
             sources[name] = getattr(self, name)
-        if self.prev_actions is not None:
-            sources["prev_actions"], sources["prev_valid"] = self.prev_actions, self.prev_valid
-            sources["prev_rewards"] = self.prev_rewards
         if not (self.pinned and device.type == "cuda"):
             index = index.to(self.rewards.device)
             return {k: self.flat(v)[index].to(device) for k, v in sources.items()}

@@ -150,6 +150,25 @@ def describe_mismatch(expected: dict[str, torch.Tensor], got: dict[str, Any], th
     return "; ".join(parts)
 
 
+REMOVED_HEADS = ("decoder.", "invdyn.", "reward_head.")
+"""Modules of removed keys (model.recon_size, model.invdyn, model.reward_head) that older checkpoints hold."""
+REMOVED_BUFFERS = ("kp_count", "kp_mean", "kp_m2")
+"""Buffers of spatial_softmax's removed model.keypoint_norm."""
+
+
+def without_removed_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """A policy state dict without the tensors of removed features: the auxiliary heads, the
+    keypoint statistics, and a critic encoder that reads no pixels (model.privileged_critic's).
+    What remains must still fit the model (the caller checks)."""
+    state_only_critic = not any(k.startswith("critic_encoder.pixels.") for k in state)
+
+    def removed(key: str) -> bool:
+        return (key.startswith(REMOVED_HEADS) or key.rsplit(".", 1)[-1] in REMOVED_BUFFERS
+                or (state_only_critic and key.startswith("critic_encoder.")))
+
+    return {k: v for k, v in state.items() if not removed(k)}
+
+
 def rng_state() -> dict[str, Any]:
     """Python, numpy and torch global RNG states, as plain data that weights_only accepts."""
     version, state, gauss = random.getstate()
@@ -179,18 +198,16 @@ RESUMABLE = ("ppo.total_steps", "run.progress", "run.tensorboard", "run.log_ever
 """Keys a resumed run may change; everything else would make it a different run."""
 
 
-def rank_state(generator: torch.Generator, envs, augment=None, reward_scale=None, noise=None) -> dict:
+def rank_state(generator: torch.Generator, envs, augment=None, reward_scale=None) -> dict:
     """The states a process's own streams need to resume: RNGs, minibatch order, env episode
-    counters, its augmentation draws (each rank draws its own), with ``ppo.norm_reward`` the
-    return statistics (its envs' running returns), and with ``model.noise_beta`` the noise's stream."""
+    counters, its augmentation draws (each rank draws its own), and with ``ppo.norm_reward`` the
+    return statistics (its envs' running returns)."""
     state = {"rng": rng_state(), "minibatch_generator": generator.get_state(),
              "env_episodes": [int(e) for e in envs.get_attr("episode")]}
     if augment is not None:
         state["augment_generator"] = augment.generator.get_state()
     if reward_scale is not None:
         state["reward_scale"] = reward_scale.state_dict()
-    if noise is not None:
-        state["noise"] = noise.state_dict()
     return state
 
 
@@ -284,7 +301,7 @@ def restore(ckpt: dict, policy: torch.nn.Module, optimizer: torch.optim.Optimize
     """Load every state a checkpoint carries; returns (first iteration to run, global step).
     Call :func:`set_rng_state` (``ckpt["rng"]``) last, once building has drawn what it draws."""
     try:
-        policy.load_state_dict(ckpt["model"])
+        policy.load_state_dict(without_removed_tensors(ckpt["model"]))
         optimizer.load_state_dict(ckpt["optimizer"])
     except (RuntimeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"checkpoint does not fit this model: {str(exc).splitlines()[0][:200]}") from None

@@ -81,13 +81,11 @@ class EnvConfig:
 @dataclass
 class ModelConfig:
     encoder: str = "spatial_softmax"
-    """Image encoder: spatial_softmax | nature | impala | drq (CNNs from scratch; drq keeps a 35x35 map at 84x84, DrQ-v2's encoder; spatial_softmax outputs keypoint positions: on Reach 100% from 40k steps, the Nature CNN 87% at 100k; README) | resnet18 | resnet34 | resnet50 | mobilenet_v3_small | efficientnet_b0 (torchvision)."""
+    """Image encoder: spatial_softmax (keypoint positions) | nature | impala | drq (DrQ-v2's, keeps a 35x35 map at 84x84) | resnet18 | resnet34 | resnet50 | mobilenet_v3_small | efficientnet_b0 (torchvision). (evidence: docs/learning.md)"""
     keypoints: int = 32
-    """spatial_softmax: keypoint maps, two coordinates each. DMC reacher-easy, a frozen random trunk, ridge on the keypoints of held-out episodes: fingertip-minus-target R^2 0.89, 0.89 with 128 against 0.85, 0.85 with 32 (README)."""
+    """spatial_softmax: number of keypoint maps, two coordinates (x, y in [-1, 1]) each."""
     keypoint_stride: int = 4
-    """spatial_softmax: stride of the first (8x8) conv; the keypoint maps' side is (env.image_size - 8) / stride + 1 (84x84: 20 at 4, 39 at 2). With a frozen random trunk on DMC reacher-easy, 2 reads the fingertip-minus-target vector to 4.6 cm against 6.3 cm at 4 (README); 2 costs about 4x the trunk's multiply-adds."""
-    keypoint_norm: int = 0
-    """0: off. N (spatial_softmax only): each keypoint coordinate is standardised by its mean and std over the first N frames the policy acts on, then fixed and saved with the weights. An untrained spatial softmax is nearly uniform, so its keypoints barely move (DMC reacher-easy: by 3e-4 across frames) and the heads cannot read them; standardised, they hold the target and the fingertip (linear R^2 0.97, 0.80). For a frozen random trunk (freeze_encoder_updates); README."""
+    """spatial_softmax: stride of the first 8x8 conv, 1 to 8; the maps' side is (env.image_size - 8) / stride + 1 (84x84: 20 at 4); 2 costs about 4x the trunk's multiply-adds."""
     encoder_weights: str = "none"
     """none | imagenet (torchvision's file in $TORCH_HOME/hub/checkpoints, never downloaded) | PATH (torchvision state dict or visppo checkpoint)."""
     freeze_encoder_updates: int = 0
@@ -99,19 +97,11 @@ class ModelConfig:
     resize: int = 0
     """Resize frames to this side before a torchvision backbone (224 is ImageNet's); 0 keeps env.image_size."""
     augment: str = "none"
-    """none | shift | rotate: random shifts, or turns about the image centre, of the update's minibatches (never when acting), for the DrAC terms (ppo.drac_coef) or every loss (ppo.augment_loss). rotate only where the task is symmetric under the turn (camera straight down the axis, as DMC reacher's camera 0; visppo/augment.py); there, with ppo.augment_loss (one seed, 500k), training return 328 vs 139-220 and 215 vs 199 over 10 deterministic episodes; with shared_layers=3, value_coef=0.002 and std 1.0 as well, 937 +- 49 over three seeds (configs/dmc_reacher_easy.yaml; README). Off by default: most scenes are not symmetric."""
+    """none | shift | rotate: random shifts, or turns about the image centre, of the update's frames (never when acting), used by ppo.drac_coef or ppo.augment_loss. rotate only for scenes symmetric under the turn (a camera straight down the axis). (evidence: docs/learning.md)"""
     shift_pad: int = 4
     """Largest shift in pixels for augment=shift (pad and random crop, as DrQ)."""
     rotate_degrees: float = 180.0
     """Largest turn either way for augment=rotate, in degrees (180: any angle)."""
-    recon_size: int = 0
-    """0: off. N: a decoder (an MLP) reconstructs the stacked frames, average-pooled to NxN, from the actor encoder's features, an auxiliary loss (ppo.recon_coef) that keeps in the features what the RL losses would discard (SAC-AE, Yarats et al. 2019). DMC reacher-easy, 4 epochs, one seed, 500k: with 21 and recon_coef 1.0 the encoder kept the arm (tools/feature_probe.py) but the return fell, 28 vs 210 (README): off."""
-    recon_motion: float = 0.0
-    """With recon_size: 0 reconstructs the stacked frames only; M > 0 also each frame's change from the one before, times M, so what moved (the robot) weighs M^2 per pixel against the static scene, where a whole-frame loss spends itself on the background and a fixed target (DMC reacher-easy: reconstruction pins the target to 4 mm and loses the 3-pixel fingertip, tools/position_fit.py). There, with 4, the screen read the fingertip no better (R^2 0.42, 0.83 vs 0.56, 0.81; README): 0. Needs env.frame_stack >= 2."""
-    invdyn: bool = False
-    """An inverse-dynamics head (an MLP) predicts, from the actor encoder's features of the stacked frames, the action taken just before the newest frame (it moved the robot between the last two frames): an auxiliary loss (ppo.invdyn_coef) that makes the encoder keep what the agent's actions move, its own body, which reward-driven features can drop (DMC reacher-easy's encoder holds the target but not the fingertip, tools/feature_probe.py). There, with norm_value and invdyn_coef 1.0 (one seed, 500k), the encoder kept the fingertip (R^2 0.67, 0.62 vs 0.29, 0.24) and lost the target; return 217 vs 194 over 10 episodes (README): off. Continuous actions only; needs env.frame_stack >= 2."""
-    reward_head: bool = False
-    """A reward head (an MLP) predicts, from the actor encoder's features of the stacked frames, the reward the step into the newest frame earned: an auxiliary loss (ppo.reward_coef) that makes the encoder keep what the reward is a function of, UNREAL's reward prediction (Jaderberg et al. 2016) without its rebalancing. For tasks whose reward depends on a relation the RL losses learn slowly, as DMC reacher-easy's sparse reward on the fingertip-to-target distance (the encoder holds the target and not the fingertip, tools/feature_probe.py). There, with norm_value and reward_coef 1.0 (one seed, 500k): 250 vs 194 over 10 episodes, three targets won instead of two, and the probe reads neither position linearly any more (README): off until more seeds."""
     feature_dim: int = 256
     """Width of the encoder's output features."""
     hidden_dim: int = 256
@@ -119,23 +109,15 @@ class ModelConfig:
     state_hidden_dim: int = 64
     """Width of the MLP branch for the proprioceptive vector."""
     shared_layers: int = 0
-    """Hidden tanh layers of hidden_dim (orthogonal init, gain sqrt 2) over the encoder's features (pixels and state concatenated), before the actor's and critic's own hidden layer: a trunk both losses train, part of the encoder (with share_encoder=false the critic's encoder has its own). 0: the heads read the features directly. DMC reacher-easy's config uses 3 (with value_coef 0.002 and rotate; README)."""
+    """Tanh layers of hidden_dim over the encoder's features (pixels and state concatenated), trained by both losses before the actor's and critic's own hidden layer; 0: the heads read the features directly."""
     share_encoder: bool = True
-    """Actor and critic share one encoder; false gives the critic its own (DMC cartpole-swingup at 100k, one seed: return 200 vs 251 at 1.75x the time; README)."""
-    privileged_critic: bool = False
-    """Asymmetric actor-critic (Pinto et al. 2018): the critic reads only the env's state vector (env.state=true; its own MLP, no pixel trunk), the actor only the frames. For training in simulation, where the state exists and the critic only serves training: the trained policy still acts from pixels alone (evaluation and deployment feed it frames; the state is read for values only). Replaces share_encoder. Reacher-v5 from frames (top-down, std 0.135, seed 1, 100k, 30 episodes): -8.99 vs -9.07 without, its explained variance 0.91 (README): off."""
-    detach_actor: bool = False
-    """The actor reads the shared encoder's features detached, so only the critic's loss trains the encoder (DrQ-v2's actor); needs share_encoder. DMC at 100k, one seed: finger-spin 0 vs 140-279, cartpole-balance 326 vs 403 (README): off."""
-    action_dist: str = "normal"
-    """normal | beta: the policy's distribution for Box actions. normal: a Gaussian whose samples the env clips to the bounds (its mean can drift beyond them: on DMC reacher-easy with RAD, 67% of steps; README); beta: a Beta per dimension scaled to the bounds (Chou et al. 2017), never clipped; needs finite bounds; no log-std (init_log_std, final_log_std unused). DMC reacher-easy, one seed, 500k: 191 vs 199 over 10 episodes, its actions small, the same far targets missed (README): normal."""
+    """Actor and critic share one encoder; false gives the critic its own (about 1.75x the update's time). (evidence: docs/learning.md)"""
     init_log_std: float = -0.5
-    """Initial log standard deviation of the Gaussian policy (Box actions, action_dist=normal). Reacher-v5's top-down config starts at -2.0 (std 0.135): its control cost's noise then no longer drowns the distance term, and the critic learns (explained variance 0.96 vs 0.000; README)."""
+    """Initial log standard deviation of the Gaussian policy (Box actions); -0.5 is std 0.61. (evidence: docs/learning.md)"""
     norm_value: bool = False
-    """The critic learns value targets centred and scaled by their running mean and std (value normalisation); its outputs are mapped back to return units, so GAE is unchanged. Without it, a task whose returns are large and alike (DMC cartpole-balance: ~150 in every state) saturates the critic's tanh layer and leaves a constant value (explained variance 0); with final_log_std=-2.3 it took cartpole-balance from 620 (one seed) to 704 +- 107 at 500k (three seeds: 760, 771, 581; README). Alone on reacher-easy (one seed, 500k): 194 vs 199, though the policy term then drives the encoder (README)."""
-    noise_beta: float = 0.0
-    """Colour of the Gaussian policy's exploration noise in time: 0 samples each step independently (white); beta > 0 gives each env a unit-variance noise sequence whose power falls as 1/f^beta (0.5 for PPO in Hollenstein et al. 2023; 1 is pink), restarted at every episode, and acts mean + std x noise, so the sampled directions persist for several steps (visppo.noise). The log-prob stays the Gaussian's per step; evaluation (the mean) is unchanged. DMC reacher-easy from the state (tools/state_ppo.py, 3 seeds, 500k, 10 episodes): 0.5 gave 852, 67, 1 against white 791, 289, 77 at std 0.61, and 734, 80, 950 against 875, 864, 756 at std 1.0 (README): 0. action_dist=normal only; 0 to 2."""
+    """The critic learns value targets centred and scaled by their running mean and std, its outputs mapped back to return units (GAE unchanged); for tasks whose large, alike returns saturate the critic. (evidence: docs/learning.md)"""
     final_log_std: float | None = None
-    """If set, the log-std is not learned but moves linearly from init_log_std to this over ppo.total_steps (DrQ-v2's std schedule). Push at 1M, -1.6: deterministic success 78% vs 48% learned (3 seeds); it collapsed cartpole-swingup at 100k; -2.3 with norm_value: DMC cartpole-balance 704 +- 107 (3 seeds) vs 620 at 500k, reacher-easy (from std 1.0) 96 vs 199 (one seed; README)."""
+    """If set, the log-std is not learned but moves linearly from init_log_std to this over ppo.total_steps (DrQ-v2's std schedule); null: learned. (evidence: docs/learning.md)"""
 
 
 @dataclass
@@ -145,33 +127,33 @@ class PPOConfig:
     num_steps: int = 64
     """Steps per environment per iteration."""
     minibatch_size: int = 128
-    """Samples per optimizer step (changes the learning). The DMC configs use 256; 64 (4x the optimizer steps, the same compute) was level on cartpole-swingup at 100k (two seeds) and lost on reacher-easy at 500k with std 1.0 (one seed: 60 vs 148 over 10 episodes; README)."""
+    """Samples per optimizer step (changes the learning; memory.micro_batch_size bounds the memory). (evidence: docs/learning.md)"""
     num_epochs: int = 4
-    """Passes over the rollout per iteration. DMC at 100k, 3 seeds: 10 lifted cartpole-swingup, finger-spin and reacher-easy, not cartpole-balance; at 500k (one seed) 10 doubled cartpole-swingup (754 vs 354) and collapsed finger-spin (328 vs 785): the swingup and reacher-easy configs use 10 (README)."""
+    """Passes over the rollout per iteration. (evidence: docs/learning.md)"""
     total_steps: int = 100_000
     """Environment steps (summed over envs) to train for (the learning rate anneals to 0 there)."""
     learning_rate: float = 1e-3
-    """Adam learning rate at the start. The DMC configs use 3e-4; 1e-3 on cartpole-swingup at 100k, 3 seeds: 324 +- 120 vs 245 +- 62, inside the spread; at 500k, seed 1: 386 vs 754 (README)."""
+    """Adam learning rate at the start. (evidence: docs/learning.md)"""
     anneal_lr: bool = True
     """Decay the learning rate linearly to 0 over total_steps."""
     gamma: float = 0.99
-    """Discount factor (CleanRL's). 0.95 on DMC reacher-easy: ahead mid-run (training return 295 vs 175-244 at 256k), level at 500k (205 vs 199 over 10 episodes; one seed, README)."""
+    """Discount factor, in [0, 1] (CleanRL's 0.99). (evidence: docs/learning.md)"""
     gae_lambda: float = 0.95
-    """GAE lambda: 0 is one-step TD, 1 is Monte Carlo (CleanRL's 0.95). 0.99 on DMC reacher-easy, one seed, 500k: 62 vs 199 over 10 episodes, training return below the shipped seeds' throughout (README)."""
+    """GAE lambda, in [0, 1]: 0 is one-step TD, 1 is Monte Carlo (CleanRL's 0.95). (evidence: docs/learning.md)"""
     clip_coef: float = 0.2
-    """PPO ratio clipping range (CleanRL's 0.2). 0.1 on DMC cartpole-swingup at 100k, 3 seeds: 269 +- 143 vs 245 +- 62, slower in training (README): 0.2."""
+    """PPO ratio clipping range, >= 0 (CleanRL's 0.2). (evidence: docs/learning.md)"""
     clip_value: bool = False
-    """Clip the value update around the old values with clip_coef (CleanRL has it on). DMC cartpole-swingup at 100k, 3 seeds: 183 +- 41 vs 245 +- 62, the critic's explained variance lower (README): off."""
+    """Clip the value update around the old values with clip_coef (CleanRL has it on; off here). (evidence: docs/learning.md)"""
     value_coef: float = 0.5
-    """Weight of the value loss (CleanRL's 0.5). On raw returns of 0-1000 the value loss's gradient outweighs the policy's on a shared encoder by orders of magnitude; DMC reacher-easy's config uses 0.002 (README). Adam's steps on the critic's own head do not scale with it."""
+    """Weight of the value loss, >= 0 (CleanRL's 0.5); on a shared encoder, raw returns in the hundreds make its gradient outweigh the policy's unless it is small. (evidence: docs/learning.md)"""
     entropy_coef: float = 0.0
-    """Weight of the entropy bonus. DMC reacher-easy with 0.01, one seed at 500k: 104 vs 199 over 10 episodes (README): 0."""
+    """Weight of the entropy bonus, >= 0; 0 is off. (evidence: docs/learning.md)"""
     max_grad_norm: float = 0.5
     """Clip the global gradient norm of each optimizer step to this."""
     norm_adv: bool = True
     """Normalise advantages over each minibatch."""
     norm_reward: bool = False
-    """Divide rewards by a running std of the discounted return before GAE, so value targets stay near unit scale whatever the task's reward scale (logged returns stay raw). DMC cartpole-swingup at 100k, one seed: return 181 vs 251 (README): off."""
+    """Divide rewards by a running std of the discounted return before GAE, so value targets stay near unit scale (logged returns stay raw). (evidence: docs/learning.md)"""
     target_kl: float = 0.0
     """Stop the iteration's update when a minibatch's approx KL exceeds 1.5x this; 0 disables."""
     recompute_logp_old: bool = False
@@ -181,15 +163,9 @@ class PPOConfig:
     adam_eps: float = 1e-5
     """Adam epsilon."""
     augment_loss: bool = False
-    """Every loss of the update reads model.augment's shifted frames, drawn afresh per minibatch (RAD, Laskin et al. 2020); logp_old stays the acting pass's, on the original frames. Not with drac_coef. DMC reacher-easy, one seed at 500k: 74 vs 199 over 10 episodes, the fingertip better kept (README): off."""
+    """Every loss of the update reads model.augment's frames, drawn afresh per minibatch (RAD, Laskin et al. 2020); logp_old stays the acting pass's. Not with drac_coef. (evidence: docs/learning.md)"""
     drac_coef: float = 0.0
     """DrAC weight of the policy-KL and value regularisers between original and augmented frames (needs model.augment); 0 is off."""
-    recon_coef: float = 0.0
-    """Weight of the reconstruction loss (each sample's squared error summed over its pooled frames, pixels in [0, 1]; needs model.recon_size); 0 is off."""
-    invdyn_coef: float = 0.0
-    """Weight of the inverse-dynamics loss (each sample's squared error between the predicted and the executed previous action, summed over action dimensions; samples with no previous action in their episode count 0; needs model.invdyn); 0 is off."""
-    reward_coef: float = 0.0
-    """Weight of the reward-prediction loss (each sample's squared error between the predicted and the previous step's reward, as the buffer holds it: scaled with norm_reward; samples with no previous step in their episode count 0; needs model.reward_head). The reward's scale sets it: beside the value loss in return units it needs far more weight than beside model.norm_value's standardised one. 0 is off."""
 
 
 @dataclass
@@ -411,9 +387,25 @@ def _count_nodes(data: Any, limit: int) -> int:
     return count
 
 
+def _lost(key: str, what: str) -> str:
+    return f"{key} ({what}) was removed on 2026-12-03 (it lost: docs/learning.md); delete the key"
+
+
 REMOVED = {
     "rollout.overlap": (False, "rollout.overlap was removed: two alternating halves of async envs were "
                         "slower than plain collection on every configuration measured; delete the key"),
+    "model.recon_size": (0, _lost("model.recon_size", "the reconstruction loss's decoder")),
+    "model.recon_motion": (0.0, _lost("model.recon_motion", "the reconstruction of each frame's change")),
+    "ppo.recon_coef": (0.0, _lost("ppo.recon_coef", "the reconstruction loss's weight")),
+    "model.invdyn": (False, _lost("model.invdyn", "the inverse-dynamics head")),
+    "ppo.invdyn_coef": (0.0, _lost("ppo.invdyn_coef", "the inverse-dynamics loss's weight")),
+    "model.reward_head": (False, _lost("model.reward_head", "the reward-prediction head")),
+    "ppo.reward_coef": (0.0, _lost("ppo.reward_coef", "the reward-prediction loss's weight")),
+    "model.detach_actor": (False, _lost("model.detach_actor", "the actor reading detached features")),
+    "model.privileged_critic": (False, _lost("model.privileged_critic", "a critic reading only env.state")),
+    "model.action_dist": ("normal", _lost("model.action_dist", "the Beta policy; the Gaussian remains")),
+    "model.noise_beta": (0.0, _lost("model.noise_beta", "exploration noise correlated in time")),
+    "model.keypoint_norm": (0, _lost("model.keypoint_norm", "standardised spatial_softmax keypoints")),
 }
 """Keys that no longer exist: (their old default, the message). A saved config holds every key,
 so a removed key at its old default is dropped quietly; any other value is refused."""
@@ -452,7 +444,7 @@ def _whole(value: Any) -> Any:
 
 
 def _whole_numbers(data: dict, overrides: list[str] | tuple[str, ...]) -> tuple[dict, list[str]]:
-    """Integer keys written as whole floats (the README's ``ppo.total_steps=2e6``) become ints."""
+    """Integer keys written as whole floats (``ppo.total_steps=2e6``) become ints."""
     keys = _whole_keys()
     for section, values in data.items():
         if isinstance(values, dict):
@@ -572,7 +564,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"memory.micro_batch_size must be >= 0 (or auto), got {cfg.memory.micro_batch_size}")
     for key in ("ppo.entropy_coef", "ppo.target_kl", "ppo.max_grad_norm",
                 "env.max_episode_steps", "train.threads", "train.max_bad_steps", "model.freeze_encoder_updates",
-                "model.shared_layers", "model.keypoint_norm", "run.keep_checkpoints", "ppo.value_coef", "ppo.clip_coef", "run.eval_every"):
+                "model.shared_layers", "run.keep_checkpoints", "ppo.value_coef", "ppo.clip_coef", "run.eval_every"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(getattr(cfg, section), name)}")
@@ -612,17 +604,8 @@ def _validate_choices(cfg: Config) -> None:
     choice("env.vector", cfg.env.vector, ("sync", "async", "auto"))
     choice("memory.buffer_device", cfg.memory.buffer_device, ("cpu", "device"))
     choice("model.encoder", cfg.model.encoder, ENCODERS)
-    choice("model.action_dist", cfg.model.action_dist, ("normal", "beta"))
-    if not 0.0 <= cfg.model.noise_beta <= 2.0:
-        raise ConfigError(f"model.noise_beta must be in [0, 2] (0 white, 1 pink, 2 red), got {cfg.model.noise_beta}")
-    if cfg.model.noise_beta and cfg.model.action_dist != "normal":
-        raise ConfigError("model.noise_beta colours a Gaussian's noise, and model.action_dist=beta has none: "
-                          "set model.noise_beta=0 or model.action_dist=normal")
-    if cfg.model.action_dist == "beta" and cfg.model.final_log_std is not None:
-        raise ConfigError("model.final_log_std schedules a Gaussian's std, and model.action_dist=beta has none: "
-                          "remove model.final_log_std or set model.action_dist=normal")
     _validate_finetuning(cfg)
-    _validate_auxiliary(cfg)
+    _validate_augmentation(cfg)
     for key in ("train.device", "rollout.device"):
         value = getattr(cfg, key.split(".")[0]).device
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
@@ -660,9 +643,6 @@ def _validate_finetuning(cfg: Config) -> None:
             and m.encoder != "spatial_softmax":
         raise ConfigError(f"model.keypoints and model.keypoint_stride shape spatial_softmax, not model.encoder="
                           f"{m.encoder}: remove them")
-    if m.keypoint_norm and m.encoder != "spatial_softmax":
-        raise ConfigError(f"model.keypoint_norm standardises spatial_softmax's keypoints, not model.encoder="
-                          f"{m.encoder}'s features: set it to 0")
     if m.resize and not torchvision:
         raise ConfigError(f"model.resize applies to torchvision backbones, not model.encoder={m.encoder}: "
                           "set env.image_size instead")
@@ -673,18 +653,10 @@ def _validate_finetuning(cfg: Config) -> None:
     if torchvision and side < 32:
         raise ConfigError(f"model.encoder={m.encoder} needs frames of at least 32x32, got {side}: "
                           "raise env.image_size or set model.resize")
-    if m.privileged_critic and not cfg.env.state:
-        raise ConfigError("model.privileged_critic needs the env's state vector for the critic: set env.state=true")
-    if m.privileged_critic and m.detach_actor:
-        raise ConfigError("model.detach_actor and model.privileged_critic: with a state-only critic no loss "
-                          "but the policy's trains the frames' encoder; set model.detach_actor=false")
-    if m.detach_actor and not m.share_encoder:
-        raise ConfigError("model.detach_actor needs model.share_encoder=true: with its own encoder detached, "
-                          "the actor's encoder would never train")
 
 
-def _validate_auxiliary(cfg: Config) -> None:
-    """Augmentation and auxiliary-loss keys: each needs its head or its use, and the pairs not built yet."""
+def _validate_augmentation(cfg: Config) -> None:
+    """Augmentation keys: each needs its use, and its uses exclude each other."""
     m = cfg.model
     if m.augment not in AUGMENTATIONS:
         raise ConfigError(f"model.augment must be one of {' | '.join(AUGMENTATIONS)}, got '{m.augment}'")
@@ -702,34 +674,6 @@ def _validate_auxiliary(cfg: Config) -> None:
     if cfg.ppo.drac_coef and cfg.ppo.augment_loss:
         raise ConfigError("ppo.drac_coef and ppo.augment_loss are two uses of model.augment: set one of them "
                           "(ppo.drac_coef=0 or ppo.augment_loss=false)")
-    if m.recon_size < 0 or m.recon_size > cfg.env.image_size:
-        raise ConfigError(f"model.recon_size must be 0 (off) or 1 .. env.image_size ({cfg.env.image_size}), "
-                          f"got {m.recon_size}")
-    if cfg.ppo.recon_coef < 0:
-        raise ConfigError(f"ppo.recon_coef must be >= 0, got {cfg.ppo.recon_coef}")
-    if bool(m.recon_size) != bool(cfg.ppo.recon_coef):
-        raise ConfigError("model.recon_size and ppo.recon_coef go together: set both (e.g. model.recon_size=32 "
-                          "ppo.recon_coef=1.0) or neither")
-    if m.recon_motion < 0 or (m.recon_motion and (not m.recon_size or cfg.env.frame_stack < 2)):
-        raise ConfigError(f"model.recon_motion must be 0, or > 0 with model.recon_size set and env.frame_stack >= 2, "
-                          f"got {m.recon_motion} (recon_size {m.recon_size}, frame_stack {cfg.env.frame_stack})")
-    if m.recon_size and cfg.ppo.drac_coef:
-        raise ConfigError("model.recon_size and ppo.drac_coef cannot be combined yet: set one of them to 0")
-    if cfg.ppo.invdyn_coef < 0:
-        raise ConfigError(f"ppo.invdyn_coef must be >= 0, got {cfg.ppo.invdyn_coef}")
-    if m.invdyn != bool(cfg.ppo.invdyn_coef):
-        raise ConfigError("model.invdyn and ppo.invdyn_coef go together: set both (e.g. model.invdyn=true "
-                          "ppo.invdyn_coef=1.0) or neither")
-    if cfg.ppo.reward_coef < 0:
-        raise ConfigError(f"ppo.reward_coef must be >= 0, got {cfg.ppo.reward_coef}")
-    if m.reward_head != bool(cfg.ppo.reward_coef):
-        raise ConfigError("model.reward_head and ppo.reward_coef go together: set both (e.g. model.reward_head=true "
-                          "ppo.reward_coef=1.0) or neither")
-    if (m.invdyn or m.reward_head) and cfg.ppo.drac_coef:
-        raise ConfigError("model.invdyn/model.reward_head and ppo.drac_coef cannot be combined yet: set one of them to 0")
-    if m.invdyn and cfg.env.frame_stack < 2:
-        raise ConfigError(f"model.invdyn needs env.frame_stack >= 2 (the motion the previous action caused), "
-                          f"got {cfg.env.frame_stack}")
 
 
 # --------------------------------------------------------------------------- documentation

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from visppo.checkpoint import describe_mismatch, read_weights_file
+from visppo.checkpoint import describe_mismatch, read_weights_file, without_removed_tensors
 from visppo.config import ENCODERS, TORCHVISION_ENCODERS, ConfigError
 
 TORCHVISION_BACKBONES = {name: "resnet" if name.startswith("resnet") else "features"
@@ -145,18 +145,10 @@ class SpatialSoftmaxCNN(PixelEncoder):
     the stride-4 grid it is computed on. The trunk is the Nature-DQN first layer
     (stride 4) and a same-size 3x3 layer: its forward and backward cost 1.4x
     ``nature``'s on 84x84 frames and 1.9x on 64x64 (one CPU thread, 128 frames).
-
-    ``norm_samples`` > 0 standardises each keypoint coordinate by its mean and std over the
-    first ``norm_samples`` frames the policy acts on or values without a gradient (inference
-    mode: collection and the value passes; never the update's passes, so every micro-batch of
-    an update sees the same statistics), then keeps them fixed, saved with the weights, as
-    BatchNorm keeps running statistics. Untrained, the softmax is nearly uniform: the keypoints
-    of DMC reacher-easy's frames vary by about 3e-4 across frames, too little for the heads to
-    read; standardised, a linear read recovers the target (R^2 0.97) and the fingertip (0.80).
     """
 
     def __init__(self, in_channels: int, image_size: int, feature_dim: int, keypoints: int = 32,
-                 norm_samples: int = 0, stride: int = 4):
+                 stride: int = 4):
         super().__init__()
         self.convs = nn.Sequential(
             nn.Conv2d(in_channels, 32, 8, stride=stride), nn.ReLU(),
@@ -176,29 +168,9 @@ class SpatialSoftmaxCNN(PixelEncoder):
         self.log_temperature = nn.Parameter(torch.zeros(()))
         self.proj = nn.Sequential(nn.Linear(2 * keypoints, feature_dim), nn.ReLU())
         self.out_dim = feature_dim
-        self.norm_samples = norm_samples
-        if norm_samples:  # only then: checkpoints of encoders without them still load
-            self.register_buffer("kp_count", torch.zeros((), dtype=torch.float64))
-            self.register_buffer("kp_mean", torch.zeros(2 * keypoints, dtype=torch.float64))
-            self.register_buffer("kp_m2", torch.zeros(2 * keypoints, dtype=torch.float64))
 
     def trunk(self) -> nn.Module:
         return self.convs
-
-    def _standardise(self, kp: torch.Tensor) -> torch.Tensor:
-        """Keypoints minus their mean over std, the moments merged from inference-mode batches
-        (Chan et al.'s parallel rule) until ``norm_samples`` frames, then fixed."""
-        # inference mode first: the update's passes never read the count (a device sync on CUDA)
-        if torch.is_inference_mode_enabled() and self.kp_count < self.norm_samples:
-            x = kp.detach().double()
-            nb, batch_mean = x.shape[0], x.mean(0)
-            total = self.kp_count + nb
-            delta = batch_mean - self.kp_mean
-            self.kp_m2.add_(x.var(0, unbiased=False) * nb + delta.square() * self.kp_count * nb / total)
-            self.kp_mean.add_(delta * nb / total)
-            self.kp_count.copy_(total)
-        std = (self.kp_m2 / self.kp_count.clamp(min=1)).sqrt().clamp(min=1e-8)  # finite before any frame
-        return torch.where(self.kp_count > 1, (kp - self.kp_mean.float()) / std.float(), kp)  # no sync
 
     def keypoint_xy(self, maps: torch.Tensor) -> torch.Tensor:
         """``[B, K, H, W]`` maps -> ``[B, 2K]`` expected (x..., y...) image coordinates in [-1, 1]."""
@@ -210,10 +182,7 @@ class SpatialSoftmaxCNN(PixelEncoder):
         pixels = _channels_last_like(pixels, self.convs[0].weight)
         with self._no_grad_if_frozen():
             maps = self.convs(_uint8_to_conv_input(pixels))
-        kp = self.keypoint_xy(maps)
-        if self.norm_samples:
-            kp = self._standardise(kp)
-        return self.proj(kp.to(maps.dtype))
+        return self.proj(self.keypoint_xy(maps).to(maps.dtype))
 
 
 class DrQCNN(_ConvProjection):
@@ -362,9 +331,9 @@ class TorchvisionBackbone(PixelEncoder):
 
 
 def build_pixel_encoder(name: str, pixel_shape: tuple[int, int, int], feature_dim: int,
-                        resize: int = 0, checkpointing: bool = False, keypoints: tuple[int, int, int] = (32, 4, 0)
+                        resize: int = 0, checkpointing: bool = False, keypoints: tuple[int, int] = (32, 4)
                         ) -> PixelEncoder:
-    """``keypoints``: spatial_softmax's (count, first layer's stride, norm_samples); the others ignore it."""
+    """``keypoints``: spatial_softmax's (count, first layer's stride); the others ignore it."""
     c, h, w = pixel_shape
     if name == "nature":
         return NatureCNN(c, h, feature_dim)
@@ -373,8 +342,8 @@ def build_pixel_encoder(name: str, pixel_shape: tuple[int, int, int], feature_di
     if name == "drq":
         return DrQCNN(c, h, feature_dim)
     if name == "spatial_softmax":
-        count, stride, norm_samples = keypoints
-        return SpatialSoftmaxCNN(c, h, feature_dim, count, norm_samples, stride)
+        count, stride = keypoints
+        return SpatialSoftmaxCNN(c, h, feature_dim, count, stride)
     if name in TORCHVISION_BACKBONES:
         return TorchvisionBackbone(name, c, feature_dim, resize, checkpointing)
     raise ValueError(f"unknown encoder {name!r}: use one of {', '.join(ENCODERS)}")
@@ -395,23 +364,15 @@ def tanh_layers(in_dim: int, width: int, count: int) -> nn.Sequential:
 class ObsEncoder(nn.Module):
     """Pixels through a CNN, optional proprioceptive state through an MLP, concatenated; then
     ``shared_layers`` tanh layers of ``shared_dim`` over the concatenation (model.shared_layers):
-    a trunk that both the actor's and the critic's losses train, before their own heads.
-    ``pixel_shape=None`` leaves the pixels out (the state MLP alone: model.privileged_critic's
-    critic); it then has no trunk to freeze or fill with weights."""
+    a trunk that both the actor's and the critic's losses train, before their own heads."""
 
-    def __init__(self, pixel_shape: tuple[int, int, int] | None, state_dim: int, feature_dim: int,
+    def __init__(self, pixel_shape: tuple[int, int, int], state_dim: int, feature_dim: int,
                  state_hidden_dim: int, encoder: str = "nature", resize: int = 0,
                  checkpointing: bool = False, shared_layers: int = 0, shared_dim: int = 256,
-                 keypoints: tuple[int, int, int] = (32, 4, 0)):
+                 keypoints: tuple[int, int] = (32, 4)):
         super().__init__()
-        if pixel_shape is None and not state_dim:
-            raise ValueError("ObsEncoder needs pixels, a state vector or both")
-        self.pixels = None
-        self.out_dim = 0
-        if pixel_shape is not None:
-            self.pixels = build_pixel_encoder(encoder, tuple(pixel_shape), feature_dim, resize, checkpointing,
-                                              keypoints)
-            self.out_dim = feature_dim
+        self.pixels = build_pixel_encoder(encoder, tuple(pixel_shape), feature_dim, resize, checkpointing, keypoints)
+        self.out_dim = feature_dim
         self.state = None
         if state_dim:
             self.state = nn.Sequential(nn.Linear(state_dim, state_hidden_dim), nn.Tanh())
@@ -423,14 +384,12 @@ class ObsEncoder(nn.Module):
 
     def trunk_parameters(self) -> list[nn.Parameter]:
         """The pixel trunk's parameters: what pretrained weights fill, freezing freezes, lr scaling scales."""
-        return [] if self.pixels is None else list(self.pixels.trunk().parameters())
+        return list(self.pixels.trunk().parameters())
 
     def forward(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
-        parts = [] if self.pixels is None else [self.pixels(obs["pixels"])]
+        feats = self.pixels(obs["pixels"])
         if self.state is not None:
-            state = self.state(obs["state"].float())
-            parts.append(state.to(parts[0].dtype) if parts else state)
-        feats = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+            feats = torch.cat([feats, self.state(obs["state"].float()).to(feats.dtype)], dim=-1)
         return feats if self.shared is None else self.shared(feats)
 
 
@@ -464,8 +423,7 @@ class FreezeSchedule:
 
     def _set(self, frozen: bool) -> None:
         for enc in self.encoders:
-            if enc.pixels is not None:
-                enc.pixels.frozen = frozen
+            enc.pixels.frozen = frozen
 
     def __call__(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         if self.frozen:  # this step is a frozen one: make sure no trunk gradient reaches it
@@ -534,6 +492,7 @@ def load_encoder_weights(encoders: list[ObsEncoder], spec: str, name: str) -> No
         obj, source = read_weights_file(path), str(path)
         policy_state = _policy_state(obj)
         if policy_state is not None:
+            policy_state = without_removed_tensors(policy_state)
             def part(prefix: str) -> dict:
                 return {k[len(prefix):]: v for k, v in policy_state.items() if k.startswith(prefix)}
             actor = part("encoder.pixels.")

@@ -203,6 +203,7 @@ def load_policy(path: Path, device: torch.device = torch.device("cpu"), env_over
     state = ckpt["model"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"checkpoint {path}: 'model' is not a state dict of tensors")
+    state = ckpt_io.without_removed_tensors(state)
     check_env_id(cfg.env.id)
     env = make_env(cfg)
     try:

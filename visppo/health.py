@@ -3,10 +3,9 @@
 A policy can stop learning with every loss finite and the critic fitting well: when the
 encoder's features grow (the value loss, in return units, pulls them up), the heads' tanh
 layers saturate and pass almost no gradient, and the policy's output stops depending on the
-observation. On DeepMind Control reacher-easy from pixels (README, "Saturated heads") the
-shipped network after 389k agent steps had 68% of its 256 ReLU features dead on every frame
-and 95% of both heads' tanh units past 0.99 in magnitude. These numbers make that visible in
-``metrics.csv`` and TensorBoard (``health/...``) instead of in a post-mortem.
+observation (measured on DeepMind Control reacher-easy from pixels; docs/learning.md). These
+numbers make that visible in ``metrics.csv`` and TensorBoard (``health/...``) instead of in a
+post-mortem.
 
 ``health/dead_features``: the fraction of the actor encoder's output units that are the same
 on every sample of the probe batch (a ReLU that never fires). ``health/saturated_<part>``: the
@@ -14,11 +13,9 @@ fraction of tanh outputs with ``|y| > SATURATED`` in the actor head, the critic 
 encoders (shared trunk, state branch, a LayerNorm-tanh projection); NaN where a part has no tanh.
 ``health/mean_out_of_bounds``: for a Gaussian policy over bounded actions, the fraction of the
 mean's entries beyond the bounds. The env clips the samples, so there nearly every sample acts
-the same and the mean gets almost no gradient back: a torque pinned at its limit (on DMC
-reacher-easy, an arm spinning through the targets instead of stopping on them; README). A
-bang-bang policy that has learned pins its torques too (57% on a learned reacher-easy policy),
-so it reads a policy's style more than its failure. NaN for categorical and Beta policies,
-which cannot leave the bounds.
+the same and the mean gets almost no gradient back: a torque pinned at its limit. A bang-bang
+policy that has learned pins its torques too, so it reads a policy's style more than its
+failure. NaN for categorical policies, which cannot leave the bounds.
 """
 
 from __future__ import annotations
@@ -86,7 +83,7 @@ def activation_health(policy: ActorCritic, obs: dict[str, torch.Tensor], actions
 
 def _out_of_bounds(policy: ActorCritic, mean: torch.Tensor, space: gym.Space | None) -> float:
     """The fraction of a Gaussian mean's entries outside ``space``'s finite bounds (NaN if none apply)."""
-    if policy.discrete or policy.beta or not isinstance(space, gym.spaces.Box):
+    if policy.discrete or not isinstance(space, gym.spaces.Box):
         return math.nan
     low = torch.as_tensor(np.asarray(space.low, np.float32).reshape(-1))
     high = torch.as_tensor(np.asarray(space.high, np.float32).reshape(-1))

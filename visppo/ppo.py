@@ -52,8 +52,6 @@ T = TypeVar("T")
 STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac")
 """Per-minibatch statistics of the PPO loss (means over the minibatch)."""
 DRAC_STATS = ("drac_policy", "drac_value")
-AUX_STATS = ("recon_loss", "invdyn_loss", "reward_loss")
-"""The auxiliary losses' per-sample errors (``ActorCritic.score_actions_aux``), by stat name."""
 
 # --------------------------------------------------------------------------- memory sizes, OOM back-off
 
@@ -249,14 +247,6 @@ class UpdateResult:
     grad_norm: float = math.nan
     drac_policy: float = math.nan
     drac_value: float = math.nan
-    recon_loss: float = math.nan
-    """Mean reconstruction error (model.recon_size; NaN when off)."""
-    invdyn_loss: float = math.nan
-    """Mean inverse-dynamics error over all samples, those with no previous action counting 0
-    (model.invdyn; NaN when off)."""
-    reward_loss: float = math.nan
-    """Mean reward-prediction error over all samples, those with no previous step counting 0
-    (model.reward_head; NaN when off)."""
     stop_kl: float = math.nan
     """The approx-KL of the minibatch that stopped the update early (NaN: no early stop)."""
     optimizer_steps: int = 0
@@ -272,7 +262,7 @@ class UpdateResult:
     def losses(self) -> dict[str, float]:
         """The loss terms and minibatch statistics, for the metrics (``loss/<name>``)."""
         return {name: getattr(self, name)
-                for name in (*STATS, "grad_norm", *DRAC_STATS, *AUX_STATS, "stop_kl")}
+                for name in (*STATS, "grad_norm", *DRAC_STATS, "stop_kl")}
 
 
 def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Tensor,
@@ -289,17 +279,12 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     ``ppo.augment_loss`` every loss reads the augmented frames instead (RAD). Either way the
     minibatch's augmentation draws are made before the split, so micro-batching does not
     change them, and committed at the end, so a retry after an OOM draws the same ones.
-
-    Auxiliary heads that are on add their weighted per-sample errors (``auxiliary_loss``).
     """
     from visppo.augment import drac_loss
 
     cfg, precision, n = setup.ppo, setup.precision, len(mb)
     value_scale = policy.value_scale()
     augment = policy.augment if (cfg.drac_coef or cfg.augment_loss) else None
-    weights = auxiliary_weights(policy, cfg)
-    if needs_previous_step(weights) and buffer.prev_actions is None:
-        raise RuntimeError("model.invdyn/reward_head: call buffer.fill_previous_actions() before the update's passes")
     if augment is not None:
         draws, rng_after = augment.draw_ahead(n)
     sums: dict[str, torch.Tensor] = {}
@@ -311,7 +296,7 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
         if cfg.augment_loss:
             obs, aug_obs = aug_obs, None
         with precision.autocast():
-            new_logp, entropy, new_values, extra = score_micro(policy, obs, aug_obs, actions, batch, weights)
+            new_logp, entropy, new_values, extra = score_micro(policy, obs, aug_obs, actions)
         loss, stats = ppo_loss(new_logp, batch["logp"], advantages[offset:stop].to(setup.device),
                                new_values, batch["values"], batch["returns"], entropy, cfg.clip_coef,
                                cfg.clip_value, cfg.value_coef, cfg.entropy_coef, value_scale)
@@ -320,10 +305,6 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
             reg, reg_stats = drac_loss(dist, new_values / value_scale, aug_dist, aug_values / value_scale)
             loss = loss + cfg.drac_coef * reg
             stats.update(reg_stats)
-        if weights:
-            aux_loss, aux_stats = auxiliary_loss(weights, extra, batch)
-            loss = loss + aux_loss
-            stats.update(aux_stats)
         loss = loss.sum() / n  # the minibatch mean, split over micro-batches
         (precision.scaler.scale(loss) if precision.scaler else loss).backward()
         for k, v in stats.items():
@@ -335,52 +316,13 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
 
 
 def score_micro(policy: ActorCritic, obs: dict[str, torch.Tensor], aug_obs: dict[str, torch.Tensor] | None,
-                actions: torch.Tensor, batch: dict[str, torch.Tensor], weights: dict[str, float]):
+                actions: torch.Tensor):
     """One micro-batch's forward pass: ``(logp, entropy, values, extra)``, where ``extra`` is the
-    auxiliary heads' outputs when ``weights`` has any, the DrAC pass's ``(dist, aug_dist,
-    aug_values)`` when ``aug_obs`` is given (the config never combines the two), else None."""
-    if weights:
-        return policy.score_actions_aux(obs, actions, batch.get("prev_actions"), batch.get("prev_rewards"))
+    DrAC pass's ``(dist, aug_dist, aug_values)`` when ``aug_obs`` is given, else None."""
     if aug_obs is None:
         return (*policy.score_actions(obs, actions), None)
     new_logp, entropy, new_values, dist, aug_dist, aug_values = policy.score_actions_augmented(obs, aug_obs, actions)
     return new_logp, entropy, new_values, (dist, aug_dist, aug_values)
-
-
-def auxiliary_weights(policy: ActorCritic, cfg: PPOConfig) -> dict[str, float]:
-    """The auxiliary losses that are on (their head exists and their weight is above 0), by stat
-    name, with their weights: what the update, the memory probe and tools/grad_share.py include."""
-    weights = {"recon_loss": cfg.recon_coef if policy.decoder is not None else 0.0,
-               "invdyn_loss": cfg.invdyn_coef if policy.invdyn is not None else 0.0,
-               "reward_loss": cfg.reward_coef if policy.reward_head is not None else 0.0}
-    return {name: w for name, w in weights.items() if w > 0}
-
-
-PREVIOUS_STEP_LOSSES = ("invdyn_loss", "reward_loss")
-"""The auxiliary losses that read the step before each sample (the buffer's ``fill_previous_actions``)
-and count 0 where there is none in the sample's episode."""
-
-
-def needs_previous_step(weights: dict[str, float]) -> bool:
-    """Whether an auxiliary loss that is on reads the step before each sample."""
-    return any(name in weights for name in PREVIOUS_STEP_LOSSES)
-
-
-def auxiliary_errors(aux: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``score_actions_aux``'s per-sample errors as the loss counts them: the inverse-dynamics and
-    reward-prediction ones are 0 where the sample has no previous step in its episode."""
-    for name in PREVIOUS_STEP_LOSSES:
-        if name in aux:
-            aux = {**aux, name: aux[name] * batch["prev_valid"]}
-    return aux
-
-
-def auxiliary_loss(weights: dict[str, float], aux: dict[str, torch.Tensor],
-                   batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Each sample's weighted auxiliary errors (those of ``weights``) and their statistics."""
-    errors = auxiliary_errors(aux, batch)
-    loss = sum((w * errors[name] for name, w in weights.items()), torch.zeros(()))
-    return loss, {name: errors[name].detach() for name in weights}
 
 
 def reduced_minibatch_gradient(policy: ActorCritic, optimizer: torch.optim.Optimizer,
@@ -389,8 +331,7 @@ def reduced_minibatch_gradient(policy: ActorCritic, optimizer: torch.optim.Optim
     """The minibatch's gradient in ``.grad`` and its statistics, averaged over the ranks when
     ``setup.across_ranks``; backs off on out-of-memory (on every rank at once)."""
     params = [p for p in policy.parameters() if p.requires_grad]
-    names = (STATS + (DRAC_STATS if setup.ppo.drac_coef and policy.augment is not None else ())
-             + tuple(auxiliary_weights(policy, setup.ppo)))
+    names = STATS + (DRAC_STATS if setup.ppo.drac_coef and policy.augment is not None else ())
 
     def attempt() -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
@@ -443,8 +384,6 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
     cfg = setup.ppo
     if policy.norm_value:
         update_value_norm(policy, buffer.returns, setup.across_ranks)
-    if needs_previous_step(auxiliary_weights(policy, cfg)):
-        buffer.fill_previous_actions()
     params = [p for p in policy.parameters() if p.requires_grad]
     result, totals = UpdateResult(), {}
     for epoch in range(cfg.num_epochs):

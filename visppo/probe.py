@@ -72,10 +72,8 @@ from visppo.policy import ActorCritic
 from visppo.ppo import (
     MemorySizes,
     UpdateSetup,
-    auxiliary_weights,
     infer,
     minibatch_gradient,
-    needs_previous_step,
 )
 from visppo.precision import Precision, autocast_dtype
 
@@ -423,8 +421,6 @@ class Prober:
         from the second micro-batch of a minibatch on, the gradients. Returns the pass."""
         precision = Precision(self.run_device, self.dtype)
         buf = RolloutBuffer(size, 1, self.obs_space, self.action_space, channels_last=self.cfg.train.channels_last)
-        if needs_previous_step(auxiliary_weights(self.policy, self.cfg.ppo)):
-            buf.fill_previous_actions()  # as the update does: the inverse-dynamics/reward term is in the pass
         self.policy.zero_grad(set_to_none=True)
         if accumulating:
             for p in self.trainable:

@@ -23,7 +23,6 @@ import torch
 
 from visppo.buffer import RolloutBuffer
 from visppo.envs import worker_errors
-from visppo.noise import ColoredNoise
 from visppo.policy import ActorCritic
 
 
@@ -58,8 +57,6 @@ class RolloutState:
     obs: dict[str, np.ndarray]
     episode_return: np.ndarray
     episode_length: np.ndarray
-    noise: ColoredNoise | None = None
-    """With ``model.noise_beta``: each env's exploration noise, restarted when its episode ends."""
 
     @classmethod
     def start(cls, envs: gym.vector.VectorEnv, seed: int | list[int]) -> RolloutState:
@@ -96,8 +93,7 @@ def collect(envs: gym.vector.VectorEnv, policy: ActorCritic, buffer: RolloutBuff
     for t in range(buffer.T):
         with torch.inference_mode(), autocast:
             obs_t = to_torch(state.obs, device)
-            action, logp, value = (policy.act(obs_t) if state.noise is None
-                                   else policy.act(obs_t, noise=state.noise.sample()))
+            action, logp, value = policy.act(obs_t)
         for key, arr in state.obs.items():
             buffer.obs[key][t].copy_(torch.from_numpy(arr))
         action = action.cpu()
@@ -117,8 +113,6 @@ def collect(envs: gym.vector.VectorEnv, policy: ActorCritic, buffer: RolloutBuff
             with torch.inference_mode(), autocast:
                 buffer.final_values[t, torch.as_tensor(bootstrap)] = policy.value(to_torch(final, device)).float().cpu()
             buffer.truncations.append((torch.as_tensor(t * buffer.N + bootstrap), final))
-        if state.noise is not None:
-            state.noise.restart(np.flatnonzero(terminated | truncated))
         episodes += _ended_episodes(state, reward, terminated | truncated, info)
         state.obs = obs
     buffer.last_obs = {k: torch.as_tensor(v).clone() for k, v in state.obs.items()}

@@ -44,7 +44,6 @@ from visppo.envs import check_env_id, make_vector_env
 from visppo.evaluate import run_episodes
 from visppo.health import PROBE_SAMPLES, activation_health, probe_index
 from visppo.metrics import Logger, PhaseTimer, iteration_profiler
-from visppo.noise import NOISE_SEQUENCE_STEPS, ColoredNoise
 from visppo.policy import ActorCritic
 from visppo.ppo import MemorySizes, UpdateResult, UpdateSetup, compute_values, update
 from visppo.precision import RunPrecision, for_run
@@ -254,11 +253,6 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
     if policy.discrete and cfg.model.final_log_std is not None:
         raise ConfigError("model.final_log_std schedules a Gaussian's std, and this env's actions are "
                           "discrete: remove model.final_log_std")
-    if policy.discrete and cfg.model.noise_beta:
-        raise ConfigError("model.noise_beta colours a Gaussian's noise, and this env's actions are discrete: "
-                          "set model.noise_beta=0")
-    if ctx.enabled and cfg.model.keypoint_norm:  # each rank would standardise by its own frames
-        raise ConfigError("model.keypoint_norm is not supported under torchrun: set it to 0")
     optimizer = build_optimizer(cfg, policy)
     seed = distributed.rank_seed(cfg.train.seed, ctx.rank)  # the seed itself on rank 0
     generator = torch.Generator().manual_seed(seed)  # minibatch order, apart from acting
@@ -279,11 +273,6 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
                            device=device if on_device else "cpu", channels_last=precision.channels_last)
     state = RolloutState.start(envs, seed=[seeding.env_seed(cfg.train.seed, ctx.rank, i)  # never another run's
                                            for i in range(cfg.ppo.num_envs)])
-    if cfg.model.noise_beta:
-        state.noise = ColoredNoise(cfg.model.noise_beta, cfg.ppo.num_envs, int(np.prod(envs.single_action_space.shape)),
-                                   NOISE_SEQUENCE_STEPS, seed)
-        if resume is not None and "noise" in resume:
-            state.noise.load_state_dict(resume["noise"])
     if ctx.rank:  # its own action noise; rank 0 keeps a single process's streams
         seed_everything(seed, cfg.train.deterministic, device)
     if resume is not None:
@@ -466,7 +455,7 @@ def maybe_checkpoint(run: Run, iteration: int) -> None:
 
 def save_checkpoint(run: Run, iteration: int) -> None:
     """Every rank's streams, saved by rank 0."""
-    mine = ckpt_io.rank_state(run.setup.generator, run.envs, run.policy.augment, run.reward_scale, run.state.noise)
+    mine = ckpt_io.rank_state(run.setup.generator, run.envs, run.policy.augment, run.reward_scale)
     ranks = distributed.all_gather(mine) if run.ctx.enabled else [mine]
     if run.ctx.is_main:
         sizes = {"micro": run.setup.sizes.micro, "chunk": run.setup.sizes.chunk}

@@ -355,8 +355,7 @@ def use_async(cfg: Config) -> bool:
 
     On 2 CPUs the workers cannot render while the learner acts on a core of its
     own, and every step's round trip through their pipes costs more than their
-    parallelism saves: collecting the default task ran at 530-690 steps/s with 8
-    async workers and 800-910 in the learner's process (README, Performance).
+    parallelism saves (measured: docs/performance.md).
     """
     if cfg.env.vector == "auto":
         rendered = cfg.ppo.num_envs > 1 and not cfg.env.id.startswith(SYNTHETIC_PREFIX)

@@ -1,29 +1,109 @@
-"""The benchmark scripts in tools/ run end to end on a tiny config (they are not imported by visppo)."""
+"""The scripts in tools/ as code: each is a module with ``main(argv) -> int``, imported here and
+called in this process on tiny configs (visppo never imports them). A subprocess appears only
+where starting one is what the tool does (bench_ddp's torchrun). tools/learning_table.py has its
+own file, tests/test_tool_learning_table.py; tools/validate_probe.py, tests/test_validate_probe.py."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-from conftest import tiny_overrides
+import pytest
+from conftest import one_error_line, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools"
+TOOL_FILES = sorted(TOOLS.glob("*.py"))
 
 
-def test_bench_prints_every_figure_and_writes_json(tmp_path):
+def load_tool(name: str):
+    """tools/<name>.py as a module (tools/ is not a package). tools/ goes on sys.path so that the
+    processes a tool spawns (bench.py's measurements) import it by name too."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    return importlib.import_module(name)
+
+
+def call(capsys, tool: str, *args) -> tuple[int, str, str]:
+    """``tools/<tool>.py ARGS`` in this process: (exit code, stdout, stderr)."""
+    try:
+        code = load_tool(tool).main([str(a) for a in args])
+    except SystemExit as exc:  # argparse's own errors exit, with the same one-line message
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def tiny() -> list[str]:
+    return [o for o in tiny_overrides() if not o.startswith("run.")]
+
+
+@pytest.fixture(autouse=True)
+def in_the_repository(monkeypatch):
+    """Relative config paths (configs/dot_reach.yaml, bench_ddp's default) from the repository root."""
+    monkeypatch.chdir(ROOT)
+
+
+# --------------------------------------------------------------------------- every tool
+
+
+def imports_of(tree: ast.Module) -> list[tuple[str, list[str]]]:
+    """(module, imported names) of every import statement, at any depth."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            found.append(("." * node.level + (node.module or ""), [alias.name for alias in node.names]))
+    return found
+
+
+@pytest.mark.parametrize("path", TOOL_FILES, ids=lambda p: p.stem)
+def test_no_tool_edits_sys_path_or_imports_a_private_name(path):
+    """A tool runs on visppo's public API: no sys.path edits, no ``_name`` from visppo, visppo_envs
+    or another tool (nor a private module of theirs)."""
+    tree = ast.parse(path.read_text())
+    ours = {"visppo", "visppo_envs"} | {p.stem for p in TOOL_FILES}
+    private = [f"{module}: {names}" for module, names in imports_of(tree)
+               if module.startswith(".") or module.split(".")[0] in ours
+               and any(part.startswith("_") for part in module.split(".") + names)]
+    assert not private, private
+    touches_path = [ast.unparse(node) for node in ast.walk(tree)
+                    if isinstance(node, ast.Attribute) and node.attr == "path"
+                    and isinstance(node.value, ast.Name) and node.value.id == "sys"]
+    touches_path += [m for m, names in imports_of(tree) if m == "sys" and "path" in names]
+    assert not touches_path, touches_path
+
+
+@pytest.mark.parametrize("path", TOOL_FILES, ids=lambda p: p.stem)
+def test_every_tool_is_a_module_with_main_argv_returning_its_exit_code(path):
+    tree = ast.parse(path.read_text())
+    mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    assert len(mains) == 1, "no module-level main()"
+    args = mains[0].args
+    assert [a.arg for a in args.args] == ["argv"] and len(args.defaults) == 1, ast.unparse(args)
+    assert isinstance(args.defaults[0], ast.Constant) and args.defaults[0].value is None
+    assert "None" in ast.unparse(args.args[0].annotation) and ast.unparse(mains[0].returns) == "int"
+    assert ast.unparse(tree.body[-1]) == "if __name__ == '__main__':\n    sys.exit(main())"
+    module = load_tool(path.stem)  # importable: importing runs nothing
+    assert callable(module.main) and module.__doc__
+
+
+# --------------------------------------------------------------------------- bench, bench_update
+
+
+def test_bench_prints_every_figure_and_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    overrides = [o for o in tiny_overrides() if not o.startswith("run.")]
-    proc = subprocess.run([sys.executable, str(TOOLS / "bench.py"), *overrides, "env.vector=sync",
-                           "--repeats", "1", "--iterations", "2", "--steps", "64", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, text, err = call(capsys, "bench", *tiny(), "env.vector=sync", "--repeats", "1", "--iterations", "2",
+                           "--steps", "64", "--json", out)
+    assert code == 0, err
     for label in ("raw env, 1 process", "raw env, 2 async workers", "collection", "update",
                   "end to end", "per iteration", "peak memory"):
-        assert label in proc.stdout, proc.stdout
+        assert label in text, text
     figures = json.loads(out.read_text())
     assert set(figures["raw_env_sps"]) == {"1 process", "2 async workers", "4 async workers"}
     assert all(v > 0 for v in figures["raw_env_sps"].values())
@@ -35,13 +115,26 @@ def test_bench_prints_every_figure_and_writes_json(tmp_path):
     assert abs(figures["ratio_to_raw"] - figures["end_to_end_sps"] / max(figures["raw_env_sps"].values())) < 1e-9
 
 
-def test_bench_update_compares_a_plain_update_with_visppos_and_writes_json(tmp_path):
+@pytest.mark.parametrize("args, needle", [
+    (["--iterations", "1"], "--iterations must be at least 2"),
+    (["--repeats", "0"], "--repeats"),
+    (["ppo.bogus=1"], "bogus"),
+    (["configs/nosuch.yaml"], "nosuch.yaml"),
+    (["--json", "{tmp}/nowhere/b.json"], "does not exist"),
+    (["--nosuch"], "unrecognized arguments"),
+])
+def test_bench_refuses_bad_input_with_one_error_line(tmp_path, capsys, args, needle):
+    code, text, err = call(capsys, "bench", *(a.replace("{tmp}", str(tmp_path)) for a in args))
+    assert code == 2 and text == ""
+    one_error_line(err, needle)
+
+
+def test_bench_update_compares_a_plain_update_with_visppos_and_writes_json(tmp_path, capsys):
     out = tmp_path / "update.json"
-    overrides = [o for o in tiny_overrides() if not o.startswith("run.")]
-    proc = subprocess.run([sys.executable, str(TOOLS / "bench_update.py"), *overrides, "ppo.minibatch_size=16",
-                           "--micro", "8,0", "--amp", "off", "--repeats", "2", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, text, err = call(capsys, "bench_update", *tiny(), "ppo.minibatch_size=16", "--micro", "8,0", "--amp", "off",
+                           "--repeats", "2", "--json", out)
+    assert code == 0, err
+    assert "samples/s" in text and f"wrote {out}" in text
     rows = json.loads(out.read_text())["rows"]
     # the plain baseline (NCHW, Adam's loop), then fused Adam alone, then the config's layout per micro-batch
     assert [(r["name"], r["channels_last"], r["fused_adam"], r["micro_batch_size"]) for r in rows] == [
@@ -51,121 +144,147 @@ def test_bench_update_compares_a_plain_update_with_visppos_and_writes_json(tmp_p
     assert rows[0]["ratio"] == 1.0
 
 
-def _fake_run(run_dir: Path, env_id: str, total: int, rows: list[tuple[int, float, float]], env: str = "") -> None:
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(f"env:\n  id: {env_id}\n{env}ppo:\n  total_steps: {total}\n")
-    lines = ["global_step,episode_return,episode_success,steps_per_second"]
-    lines += [f"{s},{r},{ok},100.0" for s, r, ok in rows]
-    (run_dir / "metrics.csv").write_text("\n".join(lines) + "\n")
+@pytest.mark.parametrize("args, needle", [
+    (["--micro", "x"], "invalid literal"),
+    (["--micro", "-1"], "--micro sizes >= 0"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["model.bogus=1"], "bogus"),
+    (["--json", "{tmp}/nowhere/u.json"], "does not exist"),
+])
+def test_bench_update_refuses_bad_input_with_one_error_line(tmp_path, capsys, args, needle):
+    code, text, err = call(capsys, "bench_update", *tiny(), *(a.replace("{tmp}", str(tmp_path)) for a in args))
+    assert code == 2 and text == ""
+    one_error_line(err, needle)
 
 
-def test_learning_table_takes_mean_and_std_over_seeds_at_each_step_count(tmp_path):
-    out = tmp_path / "table"
-    _fake_run(out / "reach" / "seed1", "visppo/Reach-v0", 2000, [(1000, 1.0, 0.0), (2000, 3.0, 0.5)])
-    _fake_run(out / "reach" / "seed2", "visppo/Reach-v0", 2000, [(1000, 2.0, 0.0), (2000, 5.0, 1.0)])
-    _fake_run(out / "short" / "seed1", "visppo/Push-v0", 2000, [(1000, 7.0, 0.0)])  # stopped early
-    md = tmp_path / "table.md"
-    proc = subprocess.run([sys.executable, str(TOOLS / "learning_table.py"), "table", str(out),
-                           "--at", "1k", "2k", "--markdown", str(md), "--plot", str(tmp_path / "c.png")],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [line for line in md.read_text().splitlines() if line.startswith("| reach") or line.startswith("| short")]
-    assert rows[0].split(" | ")[2:6] == ["1,000", "2", "1.50 ± 0.71", "0.00 ± 0.00"]
-    assert rows[1].split(" | ")[2:6] == ["2,000", "2", "4.00 ± 1.41", "0.75 ± 0.35"]
-    assert rows[1].split(" | ")[8] == "0 ± 0"  # 2000 steps at 100 steps/s: 0.33 minutes
-    assert len(rows) == 3  # the short run has no figure at 2k: its row is left out
-    assert (tmp_path / "c.png").stat().st_size > 0
-    proc = subprocess.run([sys.executable, str(TOOLS / "learning_table.py"), "table", str(out), "--at", "1k",
-                           "--plot", str(tmp_path / "s.png"), "--column", "episode_success"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (tmp_path / "s.png").read_bytes() != (tmp_path / "c.png").read_bytes()  # another column drawn
+# --------------------------------------------------------------------------- bench_ddp
 
 
-def test_learning_table_compares_variants_of_an_ablation_row_by_row(tmp_path):
-    base, variant = tmp_path / "abl" / "base", tmp_path / "abl" / "norm_reward"
-    _fake_run(base / "reach" / "seed1", "visppo/Reach-v0", 2000, [(1000, 1.0, 0.0), (2000, 3.0, 0.5)])
-    _fake_run(variant / "reach" / "seed1", "visppo/Reach-v0", 2000, [(1000, 2.0, 0.0), (2000, 6.0, 1.0)])
-    _fake_run(variant / "reach" / "seed2", "visppo/Reach-v0", 2000, [(1000, 2.0, 0.0), (2000, 8.0, 1.0)])
-    _fake_run(base / "swingup" / "seed1", "dmc:cartpole-swingup", 2000, [(2000, 140.0, "")],
-              env="  kwargs:\n    look: fast\n")
-    md = tmp_path / "abl.md"
-    proc = subprocess.run([sys.executable, str(TOOLS / "learning_table.py"), "table", str(base), str(variant),
-                           "--at", "2k", "--markdown", str(md), "--plot", str(tmp_path / "abl.png")],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [line.split(" | ") for line in md.read_text().splitlines() if line.startswith("| reach")]
-    assert [(r[0], r[3], r[4]) for r in rows] == [("| reach (base)", "1", "3.00 ± 0.00"),
-                                                  ("| reach (norm_reward)", "2", "7.00 ± 1.41")]
-    swingup = [line for line in md.read_text().splitlines() if line.startswith("| swingup")]
-    assert swingup[0].split(" | ")[1] == "`dmc:cartpole-swingup` (fast look)"  # the table says which look
-    assert (tmp_path / "abl.png").stat().st_size > 0
-    proc = subprocess.run([sys.executable, str(TOOLS / "learning_table.py"), "table", str(base),
-                           str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.startswith("error:") and "nowhere" in proc.stderr
+def test_bench_ddp_builds_one_torchrun_per_count_and_splits_the_global_sizes(tmp_path):
+    ddp = load_tool("bench_ddp")
+    args = ["configs/dot_reach.yaml", "ppo.num_envs=4", "ppo.minibatch_size=64", "ppo.num_steps=16"]
+    cmd = ddp.torchrun_command(args, 2, 3, True, tmp_path / "r")
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert cmd[5:8] == ["-m", "visppo", "train"] and cmd[8] == "configs/dot_reach.yaml"
+    # --split: each process runs half the envs and half the minibatch; 3 iterations of the global rollout
+    assert {"ppo.num_envs=2", "ppo.minibatch_size=32", "ppo.total_steps=192", f"run.dir={tmp_path / 'r'}"} <= set(cmd)
+    assert any(a.startswith("train.threads=") for a in cmd)
+    plain = ddp.torchrun_command([*args, "train.threads=1"], 2, 3, False, tmp_path / "r")
+    assert {"ppo.num_envs=4", "ppo.total_steps=384"} <= set(plain) and plain.count("train.threads=1") == 1
+    assert ddp.sizes(ddp.load_config(None, ["ppo.num_envs=3"]), 1, True) == (3, ddp.load_config(None).ppo.minibatch_size)
+    rows = {1: [{"steps_per_second": "100", "time/collect": "1", "time/values": "0.1", "time/update": "2",
+                 "global_step": "128", "iteration": "2"}],
+            2: [{"steps_per_second": "150", "time/collect": "1", "time/values": "0.1", "time/update": "2",
+                 "global_step": "512", "iteration": "2"}]}
+    table = ddp.report(args, [1, 2], rows, 3, 1, True).splitlines()
+    assert "same global sizes" in table[0]
+    assert table[3].split()[:4] == ["2", "256", "150", "1.50x"]
 
 
-def test_learning_table_per_seed_lists_each_seeds_return_in_seed_order(tmp_path):
-    out = tmp_path / "abl" / "base"
-    for seed, ret in ((10, 30.0), (2, 20.0), (1, 10.0)):  # seed10 sorts after seed2 as a number, not as text
-        _fake_run(out / "swingup" / f"seed{seed}", "dmc:cartpole-swingup", 2000, [(2000, ret, "")])
-    table = [sys.executable, str(TOOLS / "learning_table.py"), "table", str(out), "--at", "2k"]
-    proc = subprocess.run([*table, "--per-seed"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    row = next(line for line in proc.stdout.splitlines() if line.startswith("| swingup")).split(" | ")
-    assert row[4] == "20.00 ± 10.00 (10, 20, 30)"
-    assert row[6] == ""  # no evaluation logged: the cell stays empty, with no seed list
-    plain = subprocess.run(table, capture_output=True, text=True, timeout=120)
-    assert "20.00 ± 10.00 |" in plain.stdout and "(10, 20, 30)" not in plain.stdout
+def test_bench_ddp_times_a_torchrun_of_the_config(capsys):
+    """One process under torchrun (gloo), 2 iterations, the first left out as warm-up."""
+    code, text, err = call(capsys, "bench_ddp", "configs/dot_reach.yaml", *tiny(), "--nproc", "1",
+                           "--iterations", "2")
+    assert code == 0, err
+    row = text.splitlines()[-1].split()
+    assert row[0] == "1" and row[1] == "64" and float(row[2]) > 0 and row[3] == "1.00x", text
 
 
-def _tool(name: str):
-    """tools/<name>.py as a module (tools/ is not a package)."""
-    import importlib
-
-    sys.path.insert(0, str(TOOLS))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(TOOLS))
-
-
-def _learning_table():
-    return _tool("learning_table")
+@pytest.mark.parametrize("args, needle", [
+    (["--nproc", "1,x"], "--nproc '1,x'"),
+    (["--nproc", "0"], "at least 1"),
+    (["--iterations", "1"], "--iterations at least 2"),
+    (["ppo.num_envs=3", "--split", "--nproc", "2"], "divisible by 2"),
+    (["ppo.bogus=1"], "bogus"),
+])
+def test_bench_ddp_refuses_bad_input_with_one_error_line(capsys, args, needle):
+    code, text, err = call(capsys, "bench_ddp", *args)
+    assert code == 2 and text == ""
+    one_error_line(err, needle)
 
 
-def test_learning_table_run_skips_finished_runs_and_resumes_stopped_ones(tmp_path):
-    learning_table = _learning_table()
-    out, config = tmp_path / "t", Path("configs/dot_reach.yaml")
-    done = learning_table.run_dir_of(out, config, 1)
-    _fake_run(done, "visppo/DotReach-v0", 2000, [(2000, 1.0, 1.0)])
-    assert learning_table.finished(done)
-    stopped = learning_table.run_dir_of(out, config, 2)
-    _fake_run(stopped, "visppo/DotReach-v0", 4000, [(2000, 1.0, 1.0)])
-    (stopped / "checkpoints").mkdir()
-    (stopped / "checkpoints" / "latest.pt").write_bytes(b"")
-    assert not learning_table.finished(stopped)
-    assert learning_table.command(config, 2, stopped, [])[-2:] == ["--resume", str(stopped)]
-    fresh = learning_table.command(config, 3, learning_table.run_dir_of(out, config, 3), ["ppo.total_steps=64"])
-    assert "train.seed=3" in fresh and "train.threads=1" in fresh and fresh[-1] == "ppo.total_steps=64"
+# --------------------------------------------------------------------------- bench_sb3
 
 
-def test_learning_table_puts_published_figures_beside_the_row_that_reaches_their_budget():
-    """A 500k-step run of 1024-sample rollouts logs its last row at 500,736: that row, and no
-    earlier one, stands beside the figures published at 500k agent steps."""
-    learning_table = _learning_table()
-    assert [m for m, *_ in learning_table.published_at("dmc:walker-walk", 500_736)] == ["SB3 PPO CnnPolicy", "DrQ-v2"]
-    assert learning_table.published_at("dmc:walker-walk", 500_000)[1][1] == 766
-    assert learning_table.published_at("dmc:walker-walk", 499_712) == []
-    assert learning_table.published_at("dmc:walker-walk", 600_000) == []
-    assert learning_table.published_at("visppo/Reach-v0", 500_736) == []
+def test_bench_sb3_reports_the_median_run_and_needs_stable_baselines3(capsys, monkeypatch):
+    sb3 = load_tool("bench_sb3")
+    line = sb3.report([(100.0, 1.0, 2.0), (300.0, 0.5, 1.0), (200.0, 2.0, 3.0)], -1)
+    assert "200 steps/s end to end (runs: 100, 300, 200)" in line and "collect 1.00 s, update 2.00 s" in line
+    real = sb3.importlib.util.find_spec
+    monkeypatch.setattr(sb3.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "stable_baselines3" else real(name, *a))
+    code, text, err = call(capsys, "bench_sb3", "--iterations", "1", "--repeats", "1")
+    assert code == 2 and text == ""
+    one_error_line(err, "pip install stable-baselines3")
+    code, _, err = call(capsys, "bench_sb3", "--repeats", "0")
+    assert code == 2 and one_error_line(err, "--repeats")
 
 
-def _baselines():
-    return _tool("baselines")
+# --------------------------------------------------------------------------- env_speed
 
 
-class _CountingEnv:
+def test_env_speed_times_a_task_in_one_process_and_in_async_workers(capsys):
+    code, text, err = call(capsys, "env_speed", "--tasks", "Reach", "--image-size", "32", "--steps", "20",
+                           "--repeats", "1", "--workers", "2")
+    assert code == 0, err
+    lines = text.splitlines()
+    assert lines[0].startswith("raw env steps/s, 32x32") and lines[1].split() == ["task", "1", "proc", "2", "async"]
+    task, single, two = lines[2].split()
+    assert task == "Reach" and float(single) > 0 and float(two) > 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--steps", "0"], "at least 1"),
+    (["--workers", "2", "0"], "at least 1"),
+    (["--tasks", "Nope"], "invalid choice: 'Nope'"),
+])
+def test_env_speed_refuses_bad_input_with_one_error_line(capsys, args, needle):
+    code, text, err = call(capsys, "env_speed", *args)
+    assert code == 2 and text == ""
+    one_error_line(err, needle)
+
+
+# --------------------------------------------------------------------------- fit_table, memory_probe
+
+
+def test_fit_table_probes_each_row_in_fake_mode_without_a_gpu(capsys):
+    code, text, err = call(capsys, "fit_table", "--rows", "nature:36", "--amp", "off", "--budget", "1GiB")
+    assert code == 0, err
+    head, rule, row = text.splitlines()
+    assert "micro-batch for 1GiB" in head and rule.startswith("| --- |")
+    cells = row.split(" | ")
+    assert cells[:3] == ["| nature", "36x36", "off"] and cells[3].endswith("MiB") and int(cells[4]) <= 256
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--rows", "nature"], "ENCODER:IMAGE_SIZE"),
+    (["--budget", "abc"], "'abc' is not a size"),
+    (["--rows", "nature:36", "--amp", "bogus"], "train.amp"),
+    (["--rows", "nosuch:36"], "nosuch"),
+])
+def test_fit_table_refuses_bad_input_with_one_error_line(capsys, args, needle):
+    code, text, err = call(capsys, "fit_table", *args)
+    assert code == 2 and text == ""
+    one_error_line(err, needle)
+
+
+def test_memory_probe_is_visppo_probe(tmp_path, capsys):
+    out = tmp_path / "probe.json"
+    code, text, err = call(capsys, "memory_probe", "configs/dot_reach.yaml", *tiny(), "--device", "cpu",
+                           "--budget", "1GiB", "--json", out)
+    assert code == 0, err
+    found = json.loads(out.read_text())
+    assert found["micro_batch_size"] >= 1 and text
+    code, text, err = call(capsys, "memory_probe", "configs/nosuch.yaml")
+    assert code == 2 and one_error_line(err, "nosuch.yaml")
+    code, text, err = call(capsys, "memory_probe", "--budget")
+    assert code == 2 and one_error_line(err, "--budget")
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+class CountingEnv:
     """Reward = the action's first entry, 3 steps an episode, success when the return is positive;
     records the reset seeds."""
 
@@ -187,10 +306,8 @@ class _CountingEnv:
 
 
 def test_baselines_sum_each_episodes_rewards_and_reset_episode_i_with_seed_plus_i():
-    import numpy as np
-
-    baselines = _baselines()
-    env = _CountingEnv()
+    baselines = load_tool("baselines")
+    env = CountingEnv()
     actions = iter([np.array([a, 0.0]) for a in (0.5, -0.25, 0.5, -1.0, 0.0, 0.25)])
     results = baselines.episode_returns(env, lambda: next(actions), episodes=2, seed=7)
     assert results == [(0.75, True), (-0.75, False)] and env.seeds == [7, 8]
@@ -198,17 +315,20 @@ def test_baselines_sum_each_episodes_rewards_and_reset_episode_i_with_seed_plus_
     assert "| zero | 2 | 1.00 ± 1.00 | 0.00 | 2.00 |  |" in table
 
 
-def test_baselines_runs_the_configs_env_and_refuses_bad_input(tmp_path):
-    config = str(Path(__file__).resolve().parents[1] / "configs" / "dot_reach.yaml")
-    proc = subprocess.run([sys.executable, str(TOOLS / "baselines.py"), config, "env.image_size=48",
-                           "--episodes", "2"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| random", "| zero"))]
-    assert [row.split(" | ")[1] for row in rows] == ["2", "2"] and all(row.endswith("% |") for row in rows), proc.stdout
-    for args, needle in ((["--episodes", "0"], "--episodes"), (["ppo.bogus=1"], "bogus")):
-        proc = subprocess.run([sys.executable, str(TOOLS / "baselines.py"), config, *args],
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 2 and proc.stderr.startswith("error:") and needle in proc.stderr, proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+def test_baselines_runs_the_configs_env(capsys):
+    code, text, err = call(capsys, "baselines", ROOT / "configs" / "dot_reach.yaml", "env.image_size=48",
+                           "--episodes", "2")
+    assert code == 0, err
+    rows = [line for line in text.splitlines() if line.startswith(("| random", "| zero"))]
+    assert [row.split(" | ")[1] for row in rows] == ["2", "2"] and all(row.endswith("% |") for row in rows), text
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--episodes", "0"], "--episodes"),
+    (["ppo.bogus=1"], "bogus"),
+    (["--episodes", "x"], "invalid int value"),
+])
+def test_baselines_refuses_bad_input_with_one_error_line(capsys, args, needle):
+    code, text, err = call(capsys, "baselines", ROOT / "configs" / "dot_reach.yaml", *args)
+    assert code == 2 and text == ""
+    one_error_line(err, needle)

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import importlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import one_error_line
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
-sys.path.insert(0, str(TOOLS))
 
-import validate_probe as vp  # noqa: E402
+
+def load_tool(name: str):
+    """tools/<name>.py as a module (tools/ is not a package)."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    return importlib.import_module(name)
+
+
+vp = load_tool("validate_probe")
 
 
 def test_oracle_peak_follows_allocator_events_in_time_order():
@@ -43,16 +51,40 @@ def test_estimate_within_5_percent_of_the_oracle_and_never_2_percent_under(encod
     assert row["estimated_real_mode_bytes"] == pytest.approx(row["estimated_bytes"], rel=0.01)
 
 
-def test_tool_writes_rows_json(tmp_path):
-    out = tmp_path / "v.json"
-    row = json.dumps(dict(encoder="nature", image=48, amp="off", kind="micro_batch", size=8))
-    proc = subprocess.run([sys.executable, str(TOOLS / "validate_probe.py"), "--device", "cpu", "--one", row],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {"config", "kind", "size", "estimated_bytes", "measured_bytes"} <= data.keys()
-    assert vp.plan(vp.FULL_GRID, vp.AMPS).__len__() >= 8 and len(vp.plan(vp.CUDA_GRID, vp.AMPS)) >= 8
-    del out
+ROW = dict(encoder="nature", image=48, amp="off", kind="micro_batch", size=8)
+
+
+def test_one_row_prints_its_measurement_as_json(capsys):
+    assert vp.main(["--device", "cpu", "--one", json.dumps({**ROW, "real_mode": False})]) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"config", "kind", "size", "estimated_bytes", "measured_bytes", "error"} <= data.keys()
+    assert "estimated_real_mode_bytes" not in data  # real_mode off: the fake estimate only
+    assert len(vp.plan(vp.FULL_GRID, vp.AMPS)) >= 8 and len(vp.plan(vp.CUDA_GRID, vp.AMPS)) >= 8
+
+
+def test_the_grid_measures_each_row_in_a_fresh_process():
+    """run_grid starts this script with --one per row (no allocator cache carries over): the
+    subprocess is what is tested here."""
+    [row] = vp.run_grid([{**ROW, "real_mode": False}], "cpu")
+    assert row["encoder"] == "nature" and row["measured_bytes"] > 0 and -0.02 <= row["error"] <= 0.05
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--amp", "fp16"], "fp16 is not one of off, bf16 on cpu"),
+    (["--one", "{not json"], "--one is not JSON"),
+    (["--one", "[1]"], "--one takes a row"),
+    (["--threads", "-1"], "--threads"),
+    (["--json", "nowhere/v.json"], "does not exist"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+])
+def test_bad_input_is_one_error_line_and_exit_2(capsys, args, needle):
+    try:
+        code = vp.main(args)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    one_error_line(captured.err, needle)
 
 
 def test_cuda_mode_skips_cleanly_without_a_gpu(capsys):
@@ -74,13 +106,13 @@ def test_split_gradient_check_of_the_headline_runs_the_real_minibatch_gradient(m
     cfg = load_config(None, vp.overrides("nature", 48, "off", 16, 32, "cpu"))
     buf, obs_space, action_space = vp.make_buffer(cfg, cpu)
     policy = build_policy(cfg, obs_space, action_space, cpu, load_weights=False)
-    assert vp._split_vs_unsplit(cfg, policy, buf, Precision(cpu), cpu, 4) < 1e-5
+    assert vp.split_vs_unsplit(cfg, policy, buf, Precision(cpu), cpu, 4) < 1e-5
     import visppo.ppo as ppo
 
     real = ppo.micro_batches
     monkeypatch.setattr(ppo, "micro_batches",
                         lambda mb, size: list(real(mb, size))[:-1] if size < len(mb) else real(mb, size))
-    assert vp._split_vs_unsplit(cfg, policy, buf, Precision(cpu), cpu, 4) > 0.05
+    assert vp.split_vs_unsplit(cfg, policy, buf, Precision(cpu), cpu, 4) > 0.05
 
 
 def test_split_gradient_check_halves_an_overflowing_loss_scale_as_the_scaler_would():
@@ -99,12 +131,12 @@ def test_split_gradient_check_halves_an_overflowing_loss_scale_as_the_scaler_wou
     buf, obs_space, action_space = vp.make_buffer(cfg, cpu)
     policy = build_policy(cfg, obs_space, action_space, cpu, load_weights=False)
     scaler = OverflowAbove1024("cpu", init_scale=2.0**16)
-    assert vp._split_vs_unsplit(cfg, policy, buf, Precision(cpu, None, scaler), cpu, 4) < 1e-5
+    assert vp.split_vs_unsplit(cfg, policy, buf, Precision(cpu, None, scaler), cpu, 4) < 1e-5
     assert scaler.get_scale() == 1024
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("amp", vp.HEADLINE_AMPS)
 def test_headline_fits_an_8_gib_card(amp):
-    h = vp._child("cuda", "--headline-one", amp, 0)
+    h = vp.child("cuda", "--headline-one", amp, 0)
     assert h["passed"], vp.format_headline(h)

@@ -28,6 +28,13 @@ from collections.abc import Callable
 import numpy as np
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose own errors are one ``error:`` line too, exit code 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def episode_returns(env, act: Callable[[], np.ndarray], episodes: int, seed: int) -> list[tuple[float, bool | None]]:
     """(return, success or None) of ``episodes`` episodes, episode ``i`` reset with ``seed + i``."""
     results = []
@@ -73,7 +80,7 @@ def report(results: dict[str, list[tuple[float, bool | None]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument("config", help="a config file (configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides, as visppo train takes them")
     parser.add_argument("--episodes", type=int, default=10, help="episodes per policy")

@@ -1,6 +1,7 @@
 """Where does a config's time go, and how close does training run to the environment's speed?
 
-    python tools/bench.py [CONFIG] [key=value ...] [--repeats 3] [--iterations 5] [--steps 2000] [--json F]
+    python tools/bench.py [CONFIG] [key=value ...] [--repeats 3] [--iterations 5] [--steps 2000]
+        [--no-raw] [--json F]
 
 Prints, for one config, measured side by side in one invocation:
 
@@ -28,12 +29,13 @@ import json
 import multiprocessing
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from visppo.config import Config, load_config
+from visppo.config import Config, UserError, load_config
 from visppo.envs import make_vector_env
 
 
@@ -76,8 +78,6 @@ def training_figures(cfg: Config, iterations: int) -> dict[str, float]:
         ppo = dataclasses.replace(cfg.ppo, total_steps=iterations * cfg.rollout_size)
         run_dir = train(dataclasses.replace(cfg, run=run, ppo=ppo))
         rows = list(csv.DictReader((run_dir / "metrics.csv").open()))[1:]
-    if not rows:
-        raise SystemExit("error: --iterations must be at least 2 (the first is warm-up)")
 
     def median(fn) -> float:
         return statistics.median(fn(r) for r in rows)
@@ -98,52 +98,86 @@ def training_figures(cfg: Config, iterations: int) -> dict[str, float]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+class Parser(argparse.ArgumentParser):
+    """argparse whose own errors are one ``error:`` line too, exit code 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
+    """The options and the config; a UserError (or argparse's exit) on bad input."""
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; medians are printed (3)")
     parser.add_argument("--iterations", type=int, default=5, help="training iterations per run (5)")
     parser.add_argument("--steps", type=int, default=2000, help="env steps per raw measurement (2000)")
     parser.add_argument("--no-raw", action="store_true", help="skip the raw env measurements")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    ns = parser.parse_args()
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON")
+    ns = parser.parse_args(argv)
+    if ns.repeats < 1 or ns.steps < 1:
+        raise UserError(f"--repeats and --steps must be at least 1, got {ns.repeats} and {ns.steps}")
+    if ns.iterations < 2:
+        raise UserError(f"--iterations must be at least 2 (the first is warm-up), got {ns.iterations}")
+    if ns.json is not None and not ns.json.parent.is_dir():
+        raise UserError(f"--json {ns.json}: folder {ns.json.parent} does not exist")
     path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
-    cfg = load_config(path, ns.args[1:] if path else ns.args)
+    return ns, load_config(path, ns.args[1:] if path else ns.args)
 
+
+def measure(cfg: Config, repeats: int, iterations: int, steps: int, raw_env: bool = True
+            ) -> tuple[dict[str, float], dict[str, float]]:
+    """(raw env steps/s per setting, training figures): medians over ``repeats`` runs, each in its
+    own spawned process."""
     raw: dict[str, float] = {}
-    if not ns.no_raw:
+    if raw_env:
         settings = [("1 process", 1, "sync")] + [(f"{w} async workers", w, "async")
                                                  for w in sorted({2, 4, cfg.ppo.num_envs})]
         samples: dict[str, list[float]] = {name: [] for name, _, _ in settings}
-        for _ in range(ns.repeats):  # interleaved: drift on a shared machine hits every setting alike
+        for _ in range(repeats):  # interleaved: drift on a shared machine hits every setting alike
             for name, workers, vector in settings:
-                samples[name].append(isolated(raw_env_rate, cfg, workers, vector, ns.steps))
+                samples[name].append(isolated(raw_env_rate, cfg, workers, vector, steps))
         raw = {name: statistics.median(v) for name, v in samples.items()}
-    runs = [isolated(training_figures, cfg, ns.iterations) for _ in range(ns.repeats)]
-    train_figs = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    runs = [isolated(training_figures, cfg, iterations) for _ in range(repeats)]
+    return raw, {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
+
+def report(cfg: Config, repeats: int, raw: dict[str, float], train_figs: dict[str, float]) -> str:
+    """The figures as printed: raw env rates, collection, update, end to end, phases, memory."""
     best = max(raw.values()) if raw else float("nan")
-    print(f"{cfg.env.id} {cfg.env.image_size}x{cfg.env.image_size} frame_stack {cfg.env.frame_stack}, "
-          f"encoder {cfg.model.encoder}, {cfg.ppo.num_envs} envs x {cfg.ppo.num_steps} steps, minibatch "
-          f"{cfg.ppo.minibatch_size}, {cfg.ppo.num_epochs} epochs (medians of {ns.repeats} runs)")
-    for name, rate in raw.items():
-        print(f"  raw env, {name:28s} {rate:8.0f} steps/s")
+    lines = [f"{cfg.env.id} {cfg.env.image_size}x{cfg.env.image_size} frame_stack {cfg.env.frame_stack}, "
+             f"encoder {cfg.model.encoder}, {cfg.ppo.num_envs} envs x {cfg.ppo.num_steps} steps, minibatch "
+             f"{cfg.ppo.minibatch_size}, {cfg.ppo.num_epochs} epochs (medians of {repeats} runs)"]
+    lines += [f"  raw env, {name:28s} {rate:8.0f} steps/s" for name, rate in raw.items()]
     ratio = (lambda v: f"  ({v / best:4.0%} of the fastest raw env)") if raw else (lambda v: "")
-    print(f"  collection (act + step)            {train_figs['collect_sps']:8.0f} steps/s"
-          + ratio(train_figs["collect_sps"]))
-    print(f"  update (forward + backward)        {train_figs['update_samples_per_s']:8.0f} samples/s")
-    print(f"  end to end                         {train_figs['end_to_end_sps']:8.0f} steps/s"
-          + ratio(train_figs["end_to_end_sps"]))
-    print("  per iteration: " + ", ".join(f"{k[5:]} {v:.2f} s" for k, v in train_figs.items()
-                                          if k.startswith("time/")) + f" ({cfg.rollout_size} steps)")
+    lines.append(f"  collection (act + step)            {train_figs['collect_sps']:8.0f} steps/s"
+                 + ratio(train_figs["collect_sps"]))
+    lines.append(f"  update (forward + backward)        {train_figs['update_samples_per_s']:8.0f} samples/s")
+    lines.append(f"  end to end                         {train_figs['end_to_end_sps']:8.0f} steps/s"
+                 + ratio(train_figs["end_to_end_sps"]))
+    lines.append("  per iteration: " + ", ".join(f"{k[5:]} {v:.2f} s" for k, v in train_figs.items()
+                                                 if k.startswith("time/")) + f" ({cfg.rollout_size} steps)")
     peak = f"  peak memory: host RSS {train_figs['peak_rss_bytes'] / 2**20:.0f} MiB"
     if "peak_cuda_bytes" in train_figs:
         peak += f", CUDA allocated {train_figs['peak_cuda_bytes'] / 2**20:.0f} MiB"
-    print(peak)
+    lines.append(peak)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        ns, cfg = parse(argv)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    raw, train_figs = measure(cfg, ns.repeats, ns.iterations, ns.steps, raw_env=not ns.no_raw)
+    print(report(cfg, ns.repeats, raw, train_figs))
     if ns.json:
-        Path(ns.json).write_text(json.dumps({"raw_env_sps": raw, **train_figs,
-                                             "ratio_to_raw": train_figs["end_to_end_sps"] / best}, indent=2))
+        best = max(raw.values()) if raw else float("nan")
+        ns.json.write_text(json.dumps({"raw_env_sps": raw, **train_figs,
+                                       "ratio_to_raw": train_figs["end_to_end_sps"] / best}, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("MUJOCO_GL", "egl")
@@ -37,7 +39,8 @@ def make_env(render_samples: int = -1):
     return gym.wrappers.AddRenderObservation(env, render_only=True)
 
 
-def run(iterations: int, threads: int, render_samples: int) -> float:
+def run(iterations: int, threads: int, render_samples: int) -> tuple[float, float, float]:
+    """One run: (end-to-end steps/s, collect seconds, update seconds), medians over iterations."""
     import torch
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
@@ -75,22 +78,42 @@ def run(iterations: int, threads: int, render_samples: int) -> float:
     return statistics.median(512 / d for d in durations), collect, statistics.median(durations) - collect
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+class Parser(argparse.ArgumentParser):
+    """argparse whose own errors are one ``error:`` line too, exit code 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def report(runs: list[tuple[float, float, float]], render_samples: int) -> str:
+    """One line: the median end-to-end rate over runs (each run's listed), and the time per phase."""
+    rates = [r[0] for r in runs]
+    return (f"SB3 PPO CnnPolicy, pixel Reacher-v5 84x84 (render samples {render_samples}), 2 envs x 256 "
+            f"steps, minibatch 64, 4 epochs: "
+            f"{statistics.median(rates):.0f} steps/s end to end (runs: {', '.join(f'{r:.0f}' for r in rates)}); "
+            f"per iteration: collect {statistics.median(r[1] for r in runs):.2f} s, "
+            f"update {statistics.median(r[2] for r in runs):.2f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=6, help="timed iterations of 512 steps per run (6)")
     parser.add_argument("--repeats", type=int, default=3, help="runs; the median is printed (3)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0: torch's default")
     parser.add_argument("--render-samples", type=int, default=-1,
                         help="anti-aliasing samples of the renderer, as visppo's env.render_samples; -1: the env's own")
-    ns = parser.parse_args()
+    ns = parser.parse_args(argv)
+    if ns.iterations < 1 or ns.repeats < 1 or ns.threads < 0 or ns.render_samples < -1:
+        print("error: --iterations and --repeats must be at least 1, --threads at least 0, --render-samples "
+              "at least -1", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("stable_baselines3") is None:
+        print("error: bench_sb3.py needs Stable-Baselines3: pip install stable-baselines3", file=sys.stderr)
+        return 2
     runs = [run(ns.iterations, ns.threads, ns.render_samples) for _ in range(ns.repeats)]
-    rates = [r[0] for r in runs]
-    print(f"SB3 PPO CnnPolicy, pixel Reacher-v5 84x84 (render samples {ns.render_samples}), 2 envs x 256 steps, "
-          f"minibatch 64, 4 epochs: "
-          f"{statistics.median(rates):.0f} steps/s end to end (runs: {', '.join(f'{r:.0f}' for r in rates)}); "
-          f"per iteration: collect {statistics.median(r[1] for r in runs):.2f} s, "
-          f"update {statistics.median(r[2] for r in runs):.2f} s")
+    print(report(runs, ns.render_samples))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

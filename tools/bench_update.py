@@ -44,8 +44,15 @@ from visppo.precision import Precision, resolve_precision
 DEFAULT_OVERRIDES = ["ppo.minibatch_size=256"]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose own errors are one ``error:`` line too, exit code 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]",
                    help="a YAML config and/or overrides (defaults: the default task, ppo.minibatch_size=256)")
     p.add_argument("--micro", default="16,32,64,0",
@@ -180,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if ns.repeats < 1 or any(m < 0 for m in micros):
         print("error: --repeats must be >= 1 and --micro sizes >= 0", file=sys.stderr)
+        return 2
+    if ns.json is not None and not ns.json.parent.is_dir():
+        print(f"error: --json {ns.json}: folder {ns.json.parent} does not exist", file=sys.stderr)
         return 2
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

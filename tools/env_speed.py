@@ -14,15 +14,16 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import statistics
+import sys
 import time
 
 import gymnasium as gym
-import numpy as np
 
 TASKS = ("Reach", "Push", "Balance")
 
 
-def _make(env_id: str, image_size: int):
+def maker(env_id: str, image_size: int):
+    """A function that makes the env (in this process or in an async worker)."""
     def make() -> gym.Env:
         import visppo_envs  # noqa: F401  registers the ids in the worker
 
@@ -31,8 +32,9 @@ def _make(env_id: str, image_size: int):
     return make
 
 
-def _time_single(env_id: str, image_size: int, steps: int, repeats: int) -> float:
-    env = _make(env_id, image_size)()
+def time_single(env_id: str, image_size: int, steps: int, repeats: int) -> float:
+    """Steps/s of one env in this process: the median of ``repeats`` runs after a warm-up run."""
+    env = maker(env_id, image_size)()
     env.action_space.seed(0)
     env.reset(seed=0)
     rates = []
@@ -47,10 +49,11 @@ def _time_single(env_id: str, image_size: int, steps: int, repeats: int) -> floa
     return statistics.median(rates[1:])
 
 
-def _time_async(env_id: str, image_size: int, workers: int, steps: int, repeats: int) -> float:
+def time_async(env_id: str, image_size: int, workers: int, steps: int, repeats: int) -> float:
+    """Steps/s, summed over ``workers`` async workers: the median of ``repeats`` runs after a warm-up."""
     context = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     envs = gym.vector.AsyncVectorEnv(
-        [_make(env_id, image_size) for _ in range(workers)],
+        [maker(env_id, image_size) for _ in range(workers)],
         shared_memory=True,
         context=context,
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
@@ -68,37 +71,37 @@ def _time_async(env_id: str, image_size: int, workers: int, steps: int, repeats:
     return statistics.median(rates[1:])
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+class Parser(argparse.ArgumentParser):
+    """argparse whose own errors are one ``error:`` line too, exit code 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--image-size", type=int, default=84)
     parser.add_argument("--steps", type=int, default=1000, help="env steps per timed run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args(argv)
+    if min(args.image_size, args.steps, args.repeats, *args.workers) < 1:
+        print("error: --image-size, --steps, --repeats and --workers must be at least 1", file=sys.stderr)
+        return 2
 
-    import visppo_envs._gl as gl  # choose the GL backend before anything imports mujoco
+    import visppo_envs  # noqa: F401  registers the ids and chooses the GL backend before mujoco loads
 
-    gl.ensure_headless_gl()
-    import visppo_envs  # noqa: F401
-
-    np.set_printoptions(precision=1)
-    header = f"{'task':10s} {'1 proc':>10s}" + "".join(
-        f" {f'{w} async':>10s}" for w in args.workers
-    )
-    print(
-        f"raw env steps/s, {args.image_size}x{args.image_size}, random actions, "
-        f"median of {args.repeats} x {args.steps} steps"
-    )
-    print(header)
+    print(f"raw env steps/s, {args.image_size}x{args.image_size}, random actions, "
+          f"median of {args.repeats} x {args.steps} steps")
+    print(f"{'task':10s} {'1 proc':>10s}" + "".join(f" {f'{w} async':>10s}" for w in args.workers))
     for task in args.tasks:
         env_id = f"visppo/{task}-v0"
-        row = [_time_single(env_id, args.image_size, args.steps, args.repeats)]
-        row += [
-            _time_async(env_id, args.image_size, w, args.steps, args.repeats) for w in args.workers
-        ]
+        row = [time_single(env_id, args.image_size, args.steps, args.repeats)]
+        row += [time_async(env_id, args.image_size, w, args.steps, args.repeats) for w in args.workers]
         print(f"{task:10s}" + "".join(f" {r:10.0f}" for r in row), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -259,7 +259,7 @@ def headline(amp: str) -> dict:
     use = device_use(device)
     torch.cuda.set_per_process_memory_fraction(1.0, device)
     oom = [str(w.message) for w in caught if "out of memory" in str(w.message)]
-    rel = _split_vs_unsplit(cfg, policy, buf, precision, device, rec.micro_batch_size)
+    rel = split_vs_unsplit(cfg, policy, buf, precision, device, rec.micro_batch_size)
     return {"amp": amp, "budget_bytes": HEADLINE_BUDGET, "cuda_context": context,
             "micro_batch_size": rec.micro_batch_size, "infer_chunk_size": rec.infer_chunk_size,
             "estimated_bytes": rec.peak_bytes, "sizes_after": [sizes.micro, sizes.chunk], "oom_warnings": oom,
@@ -284,7 +284,7 @@ def _headline_update(cfg, device: torch.device, micro: int, chunk: int):
     return sizes, policy, buf, precision
 
 
-def _split_vs_unsplit(cfg, policy, buf, precision, device: torch.device, micro: int) -> float:
+def split_vs_unsplit(cfg, policy, buf, precision, device: torch.device, micro: int) -> float:
     """``|g_split - g_whole| / |g_whole|`` over every trainable parameter, for the first minibatch
     (fp16: both scaled by the same GradScaler scale, which divides out of the ratio). A scale
     whose scaled gradient overflows is one the scaler would skip the step for and halve, so the
@@ -339,7 +339,7 @@ def run_row(row: dict, device: str) -> dict:
     return out
 
 
-def _child(device: str, flag: str, value: str, threads: int) -> dict:
+def child(device: str, flag: str, value: str, threads: int) -> dict:
     """This script with ``flag value`` in a fresh process (no allocator cache, autocast cache or
     profiler state carries over); its last stdout line, as JSON."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--device", device, flag, value]
@@ -354,7 +354,7 @@ def _child(device: str, flag: str, value: str, threads: int) -> dict:
 def run_grid(rows: list[dict], device: str, threads: int = 0):
     """Each row in a fresh child process (this script with ``--one``)."""
     for row in rows:
-        yield _child(device, "--one", json.dumps(row), threads)
+        yield child(device, "--one", json.dumps(row), threads)
 
 
 def format_row(r: dict) -> str:
@@ -373,12 +373,19 @@ def format_headline(h: dict) -> str:
             f"gradient rel. diff {h['gradient_relative_difference']:.1e}: {'PASS' if h['passed'] else 'FAIL'}")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+class Parser(argparse.ArgumentParser):
+    """argparse whose own errors are one ``error:`` line too, exit code 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def _parser() -> Parser:
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--quick", action="store_true", help="the small grid of the default test run")
-    parser.add_argument("--amp", default=",".join(AMPS), help="comma list of off,bf16")
+    parser.add_argument("--amp", default=",".join(AMPS), help="comma list of off,bf16 (and fp16 on cuda)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--no-headline", action="store_true", help="cuda: skip the 8 GiB headline check")
     parser.add_argument("--fake-only", action="store_true", help="cpu: skip the real-mode estimate (faster)")
@@ -393,8 +400,32 @@ def _save(path: Path | None, device: str, rows: list[dict], headlines: list[dict
                                     "headline": headlines}, indent=1))
 
 
-def main(argv=None) -> int:
+def check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options (None: nothing)."""
+    allowed = (*AMPS, "fp16") if args.device == "cuda" else AMPS
+    wrong = [a for a in args.amp.split(",") if a not in allowed]
+    if wrong:
+        return f"--amp {args.amp}: {', '.join(wrong)} is not one of {', '.join(allowed)} on {args.device}"
+    if args.threads < 0:
+        return f"--threads must be at least 0, got {args.threads}"
+    if args.json is not None and not args.json.parent.is_dir():
+        return f"--json {args.json}: folder {args.json.parent} does not exist"
+    if args.one is not None:
+        try:
+            row = json.loads(args.one)
+        except json.JSONDecodeError as exc:
+            return f"--one is not JSON ({exc})"
+        if not isinstance(row, dict) or not {"encoder", "image", "amp", "kind", "size"} <= row.keys():
+            return "--one takes a row: {\"encoder\", \"image\", \"amp\", \"kind\", \"size\"}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    problem = check(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -417,7 +448,7 @@ def main(argv=None) -> int:
           f"most under {100 * min(r['error'] for r in results):+.2f}%")
     if args.device == "cuda" and not args.no_headline:
         for amp in HEADLINE_AMPS:
-            headlines.append(_child("cuda", "--headline-one", amp, args.threads))
+            headlines.append(child("cuda", "--headline-one", amp, args.threads))
             print(format_headline(headlines[-1]), flush=True)
             _save(args.json, args.device, results, headlines)
     return 0 if all(h["passed"] for h in headlines) else 1

@@ -123,6 +123,19 @@ def test_published_holds_the_ten_tasks_of_mrq_table_6():
     assert all(src == "MR.Q, Table 6" for f in lt.PUBLISHED.values() for _, _, src in f[500_000])
 
 
+def test_table_reads_a_run_that_logged_no_speed_as_tools_sb3_dmc_writes_it(tmp_path, capsys):
+    run = tmp_path / "sb3" / "dmc_walker_walk" / "seed1"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("env:\n  id: dmc:walker-walk\nppo:\n  total_steps: 4096\n")
+    (run / "metrics.csv").write_text("global_step,episode_return\n2048,10.0\n4096,30.0\n")
+    (run / "final_eval.json").write_text(json.dumps({"mean_return": 25.0, "episodes": 10}))
+    code, text, err = table(capsys, tmp_path / "sb3", "--at", "4096", "--reps", "50")
+    assert code == 0, err
+    curve, final = rows_of(text, "dmc_walker_walk")
+    assert curve[2:5] == ["4,096", "1", "30.00 ± 0.00"] and curve[8] == ""  # no speed logged: no minutes
+    assert final[6] == "25.00 ± 0.00"
+
+
 # --------------------------------------------------------------------------- the final-policy table and the IQM
 
 

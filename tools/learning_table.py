@@ -207,12 +207,13 @@ def value_at(rows: list[dict[str, float]], column: str, step: int) -> float:
 
 
 def wall_minutes(rows: list[dict[str, float]], step: int) -> float:
-    """Minutes of training up to ``step``: the sum over iterations of rollout / steps-per-second."""
+    """Minutes of training up to ``step``: the sum over iterations of rollout / steps-per-second
+    (NaN when the run did not log its speed, as tools/sb3_dmc.py's runs do not)."""
     total, previous = 0.0, 0.0
     for r in rows:
         if r["global_step"] > step * 1.02:
             break
-        total += (r["global_step"] - previous) / r["steps_per_second"]
+        total += (r["global_step"] - previous) / r.get("steps_per_second", math.nan)
         previous = r["global_step"]
     return total / 60
 
@@ -287,8 +288,9 @@ def summarize(outs: list[Path], steps: list[int]) -> list[dict]:
                 row[column], row[f"{column}/seeds"] = mean_std(list(seeds.values())), seeds
                 if column == "episode_return":
                     row["seeds"] = len(seeds)
-            row["minutes"] = mean_std([wall_minutes(r, step) for r in rows.values()
-                                       if math.isfinite(value_at(r, "episode_return", step))])
+            minutes = [wall_minutes(r, step) for r in rows.values()
+                       if math.isfinite(value_at(r, "episode_return", step))]
+            row["minutes"] = mean_std([m for m in minutes if math.isfinite(m)])
             row["published"] = published_at(env_id, step)
             table.append(row)
     return table

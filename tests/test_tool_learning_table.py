@@ -224,6 +224,17 @@ def test_each_variant_gets_its_own_iqm(tmp_path, capsys):
         "IQM (base)", "IQM (epochs10)"]
 
 
+def test_table_without_rliable_still_prints_and_says_the_iqm_needs_it(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "table"
+    dmc_runs(out)
+    monkeypatch.setitem(sys.modules, "rliable", None)  # import rliable: ImportError
+    monkeypatch.setitem(sys.modules, "rliable.library", None)
+    code, text, err = table(capsys, out, "--at", "500k")
+    assert code == 0, err
+    assert rows_of(text, "dmc_walker_walk")[1][6] == "45.00 ± 35.36"
+    assert text.splitlines()[-1].startswith("IQM: not computed, it needs rliable")
+
+
 def test_iqm_says_so_when_no_dmc_task_or_no_common_seed(tmp_path):
     out = tmp_path / "t"
     fake_run(out / "reach" / "seed1", "visppo/Reach-v0", 4000, [(4096, 5.0, 1.0)], final=7.5)

@@ -519,6 +519,14 @@ def cmd_run(ns: argparse.Namespace, rest: list[str]) -> int:
     return 1 if run_all(configs, seeds, ns.out, ns.parallel, overrides, ns.eval_episodes) else 0
 
 
+def have_rliable() -> bool:
+    try:
+        import rliable.library  # noqa: F401  (it needs arch, which needs a matching pandas)
+    except ImportError:
+        return False
+    return True
+
+
 def cmd_table(ns: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise UsageError(f"unknown arguments {' '.join(rest)}")
@@ -541,7 +549,10 @@ def cmd_table(ns: argparse.Namespace, rest: list[str]) -> int:
     text = markdown(summarize(ns.out, steps), ns.per_seed)
     final = final_results(ns.out)
     if final:
-        text += "\n\n" + final_markdown(final, iqm_summary(final, ns.reps), ns.per_seed)
+        iqm = have_rliable()
+        text += "\n\n" + final_markdown(final, iqm_summary(final, ns.reps) if iqm else [], ns.per_seed)
+        if not iqm:
+            text += "\n\nIQM: not computed, it needs rliable (pip install -e \".[test]\" or pip install rliable)"
     print(text)
     if ns.markdown:
         ns.markdown.write_text(text + "\n")

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch.distributions import Categorical, Normal
 
 from visppo.augment import RandomRotate, RandomShift, drac_loss, make_augmentation
-from visppo.config import ConfigError, load_config
+from visppo.config import load_config
+from visppo.errors import ConfigError
 
 
 def _frames(n=4, c=6, side=16, seed=0):

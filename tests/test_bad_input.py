@@ -8,7 +8,8 @@ import torch
 from conftest import one_error_line, run_main, tiny_overrides
 
 from visppo.cli import main
-from visppo.config import ConfigError, RunError, load_config
+from visppo.config import load_config
+from visppo.errors import ConfigError, RunError
 
 
 def snapshot(folder):

@@ -2,13 +2,13 @@ import pytest
 
 from visppo.config import (
     Config,
-    ConfigError,
     field_docs,
     from_dict,
     load_config,
     parse_bytes,
     to_dict,
 )
+from visppo.errors import ConfigError
 
 
 def test_defaults_validate_and_public_keys_exist():
@@ -92,7 +92,8 @@ def test_micro_batch_zero_means_whole_minibatch():
 
 
 def test_a_removed_key_is_refused_with_what_happened_to_it(tmp_path):
-    from visppo.config import ConfigError, build_config, load_config
+    from visppo.config import build_config, load_config
+    from visppo.errors import ConfigError
 
     with pytest.raises(ConfigError, match="rollout.overlap was removed"):
         load_config(None, ["rollout.overlap=true"])

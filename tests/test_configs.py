@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from visppo.config import ConfigError, load_config, read_config_file, to_dict
+from visppo.config import load_config, read_config_file, to_dict
 from visppo.envs import check_env_id
+from visppo.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 

@@ -27,8 +27,9 @@ from conftest import tiny_overrides, update_with
 import visppo.ppo as ppo_module
 from visppo import distributed
 from visppo.buffer import RolloutBuffer, minibatches
-from visppo.config import ConfigError, ModelConfig, PPOConfig, load_config
+from visppo.config import ModelConfig, PPOConfig, load_config
 from visppo.encoders import FreezeSchedule
+from visppo.errors import ConfigError
 from visppo.policy import ActorCritic
 
 CPU = torch.device("cpu")

@@ -21,8 +21,9 @@ from conftest import train_short
 from gymnasium.utils.env_checker import check_env
 
 from visppo import envs as envs_module
-from visppo.config import ConfigError, load_config
+from visppo.config import load_config
 from visppo.envs import check_env_id, make_env, preload_before_gl
+from visppo.errors import ConfigError
 from visppo.evaluate import _video_fps, run_episode
 
 # Importing visppo_envs.dmc imports dm_control (where installed), which opens an EGL display and

@@ -3,6 +3,7 @@ import torch
 
 from visppo import encoders
 from visppo.encoders import DrQCNN, ImpalaCNN, NatureCNN, ObsEncoder
+from visppo.errors import ConfigError
 
 
 def test_uint8_frames_are_scaled_inside_forward():
@@ -193,7 +194,7 @@ def test_drq_keeps_a_35x35_map_at_84_and_bounded_features():
     out = enc(x)
     assert out.shape == (2, 50) and out.abs().max() <= 1.0  # tanh after LayerNorm
     torch.testing.assert_close(out.mean(), torch.zeros(()), atol=0.2, rtol=0)  # LayerNorm centres
-    with pytest.raises(encoders.ConfigError, match="15 pixels"):
+    with pytest.raises(ConfigError, match="15 pixels"):
         DrQCNN(9, 14, 50)
 
 

@@ -7,8 +7,9 @@ from conftest import tiny_overrides
 from gymnasium.utils.env_checker import check_env
 
 from visppo import envs as envs_module
-from visppo.config import ConfigError, load_config
+from visppo.config import load_config
 from visppo.envs import PixelDict, check_env_id, make_env, make_vector_env, use_async
+from visppo.errors import ConfigError
 from visppo_envs.dot import DotReachEnv
 
 DOT = "env.id=visppo/DotReach-v0"

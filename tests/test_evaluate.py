@@ -14,7 +14,8 @@ from conftest import tiny_overrides
 from PIL import Image
 
 from visppo.checkpoint import CheckpointError
-from visppo.config import ConfigError, UserError, load_config
+from visppo.config import load_config
+from visppo.errors import ConfigError, UserError
 from visppo.evaluate import SEPARATOR, compose_frame, evaluate, format_result, video_layout
 from visppo.train import train
 

@@ -12,8 +12,9 @@ from conftest import infer_with, setup_of, tiny_overrides, update_with
 
 from visppo.buffer import RolloutBuffer
 from visppo.builders import build_optimizer, build_policy
-from visppo.config import ConfigError, ModelConfig, PPOConfig, load_config
+from visppo.config import ModelConfig, PPOConfig, load_config
 from visppo.encoders import FreezeSchedule
+from visppo.errors import ConfigError
 from visppo.policy import ActorCritic
 from visppo.ppo import minibatch_gradient
 from visppo.train import train

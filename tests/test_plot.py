@@ -8,7 +8,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
-from visppo.config import ConfigError
+from visppo.errors import ConfigError
 from visppo.metrics import Logger
 from visppo.plot import moving_average, plot_runs, read_metrics
 

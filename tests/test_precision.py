@@ -5,7 +5,8 @@ import warnings
 import pytest
 import torch
 
-from visppo.config import ConfigError, TrainConfig
+from visppo.config import TrainConfig
+from visppo.errors import ConfigError
 from visppo.precision import acting_precision, autocast_dtype, for_run, resolve_precision
 
 CPU = torch.device("cpu")

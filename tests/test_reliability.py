@@ -84,7 +84,7 @@ def test_the_lock_is_released_when_a_run_fails(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device", "latest.pt")
 
     monkeypatch.setattr(ckpt_module, "atomic_save", full_disk)
-    from visppo.config import RunError
+    from visppo.errors import RunError
     with pytest.raises(RunError, match="no space left.*--resume"):
         train(load_config(None, tiny_overrides(tmp_path)))
     with run_dir_lock(tmp_path / "run"):  # free again
@@ -105,7 +105,7 @@ def test_a_file_system_without_locks_warns_and_goes_on(tmp_path, monkeypatch, ca
 
 
 def test_a_run_dir_that_cannot_be_created_is_an_error_not_a_traceback(tmp_path):
-    from visppo.config import ConfigError
+    from visppo.errors import ConfigError
 
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="cannot be written"):

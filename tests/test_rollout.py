@@ -97,8 +97,9 @@ def test_a_killed_env_worker_ends_the_rollout_with_a_clear_error():
 
     import pytest
 
-    from visppo.config import RunError, load_config
+    from visppo.config import load_config
     from visppo.envs import make_vector_env
+    from visppo.errors import RunError
 
     cfg = load_config(None, ["env.id=visppo/DotReach-v0", "ppo.num_envs=2", "env.vector=async"])
     envs = make_vector_env(cfg)
@@ -116,7 +117,7 @@ def test_a_killed_env_worker_ends_the_rollout_with_a_clear_error():
 def test_an_env_that_raises_ends_the_rollout_with_a_clear_error():
     import pytest
 
-    from visppo.config import RunError
+    from visppo.errors import RunError
 
     class Broken(Counter):
         def step(self, action):

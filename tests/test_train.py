@@ -100,7 +100,7 @@ def test_divergence_guard_skips_bad_steps_then_stops_keeping_the_last_good_check
 
     import visppo.checkpoint as ckpt_module
     import visppo.ppo as ppo_module
-    from visppo.config import RunError
+    from visppo.errors import RunError
 
     poisoned = {"on": False}
     real_loss, real_save = ppo_module.ppo_loss, ckpt_module.save_checkpoint

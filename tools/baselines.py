@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=10, help="episodes per policy")
     parser.add_argument("--seed", type=int, default=100, help="reset seed of the first episode (and the action sampler)")
     ns = parser.parse_args(argv)
-    from visppo.config import UserError, load_config
+    from visppo.config import load_config
     from visppo.envs import check_env_id
+    from visppo.errors import UserError
 
     if ns.episodes < 1:
         print("error: --episodes must be at least 1", file=sys.stderr)

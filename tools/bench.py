@@ -35,8 +35,9 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from visppo.config import Config, UserError, load_config
+from visppo.config import Config, load_config
 from visppo.envs import make_vector_env
+from visppo.errors import UserError
 
 
 def isolated(fn, *args):

@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from visppo.config import UserError, load_config
+from visppo.config import load_config
+from visppo.errors import UserError
 
 DEFAULT_CONFIG = "configs/dot_reach.yaml"
 

@@ -35,8 +35,9 @@ import torch
 
 from visppo.buffer import RolloutBuffer
 from visppo.builders import build_optimizer, build_policy, resolve_device
-from visppo.config import Config, UserError, load_config
+from visppo.config import Config, load_config
 from visppo.envs import make_env, preload_before_gl
+from visppo.errors import UserError
 from visppo.memory import format_bytes, peak_bytes
 from visppo.ppo import MemorySizes, UpdateSetup, update
 from visppo.precision import Precision, resolve_precision

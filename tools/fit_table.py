@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from visppo.config import ConfigError, UserError, load_config, parse_bytes
+from visppo.config import load_config, parse_bytes
+from visppo.errors import ConfigError, UserError
 from visppo.memory import format_bytes
 from visppo.probe import Prober, probe
 

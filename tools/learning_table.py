@@ -493,7 +493,8 @@ def build_parser() -> Parser:
 
 
 def cmd_run(ns: argparse.Namespace, rest: list[str]) -> int:
-    from visppo.config import UserError, load_config
+    from visppo.config import load_config
+    from visppo.errors import UserError
 
     configs = [Path(c) for c in ns.configs if "=" not in c]
     overrides = [c for c in ns.configs if "=" in c] + rest

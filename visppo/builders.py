@@ -13,7 +13,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from visppo.config import Config, ConfigError
+from visppo.config import Config
+from visppo.errors import ConfigError
 from visppo.memory import format_bytes
 from visppo.policy import ActorCritic
 

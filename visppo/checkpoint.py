@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from visppo import distributed
-from visppo.config import Config, ConfigError, UserError, build_config, to_dict
+from visppo.config import Config, build_config, to_dict
+from visppo.errors import ConfigError, UserError
 
 
 class CheckpointError(UserError):

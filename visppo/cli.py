@@ -15,7 +15,8 @@ import sys
 import threading
 from pathlib import Path
 
-from visppo.config import ConfigError, RunError, Stopped, UserError, field_docs, load_config
+from visppo.config import field_docs, load_config
+from visppo.errors import ConfigError, RunError, Stopped, UserError
 
 
 class _Parser(argparse.ArgumentParser):

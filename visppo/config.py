@@ -24,27 +24,9 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-class UserError(ValueError):
-    """Bad input the user must fix; the CLI shows it as one ``error: <message>`` line, exit 2."""
-
-
-class ConfigError(UserError):
-    """A config the user must change."""
-
-
-class RunError(RuntimeError):
-    """A run that cannot go on (an env worker died, training diverged); shown as one ``error:`` line, exit 1."""
-
-
-class Stopped(Exception):
-    """A run stopped by SIGINT / SIGTERM once its final checkpoint is written: the CLI prints the
-    message (where the checkpoint is, how to resume) and exits 128 + the signal (130, 143)."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signum = signum
-
+# re-exported for users' code only (`from visppo.config import ConfigError` keeps working); visppo's own
+# modules, tools and tests import them from visppo.errors
+from visppo.errors import ConfigError, RunError, Stopped, UserError  # noqa: F401
 
 TORCHVISION_ENCODERS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
 """model.encoder names built by torchvision (visppo.encoders knows how to cut each family)."""

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from visppo.config import ConfigError
+from visppo.errors import ConfigError
 
 
 @dataclass(frozen=True)

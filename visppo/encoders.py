@@ -39,7 +39,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from visppo.checkpoint import describe_mismatch, read_weights_file, without_removed_tensors
-from visppo.config import ENCODERS, TORCHVISION_ENCODERS, ConfigError
+from visppo.config import ENCODERS, TORCHVISION_ENCODERS
+from visppo.errors import ConfigError
 
 TORCHVISION_BACKBONES = {name: "resnet" if name.startswith("resnet") else "features"
                          for name in TORCHVISION_ENCODERS}

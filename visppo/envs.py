@@ -23,7 +23,8 @@ import gymnasium as gym
 import numpy as np
 
 from visppo import seeding
-from visppo.config import Config, ConfigError, RunError
+from visppo.config import Config
+from visppo.errors import ConfigError, RunError
 from visppo_envs._gl import ensure_headless_gl
 
 SYNTHETIC_PREFIX = "visppo/Dot"

@@ -34,8 +34,9 @@ from visppo import checkpoint as ckpt_io
 from visppo import seeding
 from visppo.builders import build_policy
 from visppo.checkpoint import CheckpointError, atomic_write_text, file_mode
-from visppo.config import Config, ConfigError, UserError, build_config, from_dict
+from visppo.config import Config, build_config, from_dict
 from visppo.envs import check_env_id, make_env
+from visppo.errors import ConfigError, UserError
 from visppo.policy import ActorCritic
 
 MIN_VIDEO_HEIGHT = 256

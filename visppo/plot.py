@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from visppo.checkpoint import atomic_write
-from visppo.config import ConfigError
+from visppo.errors import ConfigError
 
 PANELS = (("episode_return", "episode return"), ("episode_success", "success rate"))
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from visppo.config import ConfigError, TrainConfig
+from visppo.config import TrainConfig
+from visppo.errors import ConfigError
 
 
 @dataclass

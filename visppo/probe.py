@@ -57,8 +57,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from visppo.buffer import RolloutBuffer
 from visppo.builders import build_policy
-from visppo.config import Config, ConfigError, parse_bytes
+from visppo.config import Config, parse_bytes
 from visppo.envs import make_env
+from visppo.errors import ConfigError
 from visppo.memory import (
     LiveBytes,
     cpu_allocator_peak,

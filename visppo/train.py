@@ -38,9 +38,10 @@ from visppo.builders import (
     schedule_log_std,
     seed_everything,
 )
-from visppo.config import Config, ConfigError, RunError, Stopped, to_yaml
+from visppo.config import Config, to_yaml
 from visppo.encoders import FreezeSchedule
 from visppo.envs import check_env_id, make_vector_env
+from visppo.errors import ConfigError, RunError, Stopped
 from visppo.evaluate import run_episodes
 from visppo.health import PROBE_SAMPLES, activation_health, probe_index
 from visppo.metrics import Logger, PhaseTimer, iteration_profiler

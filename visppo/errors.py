@@ -1,0 +1,29 @@
+"""The errors visppo raises on purpose, and how the CLI shows each (a leaf: imports nothing of visppo).
+
+``UserError`` and its ``ConfigError`` are bad input the user fixes (one ``error:`` line, exit 2);
+``RunError`` a run that cannot go on (exit 1); ``Stopped`` a run stopped by a signal once its
+final checkpoint is written (exit 128 + the signal).
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """Bad input the user must fix; the CLI shows it as one ``error: <message>`` line, exit 2."""
+
+
+class ConfigError(UserError):
+    """A config the user must change."""
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on (an env worker died, training diverged); shown as one ``error:`` line, exit 1."""
+
+
+class Stopped(Exception):
+    """A run stopped by SIGINT / SIGTERM once its final checkpoint is written: the CLI prints the
+    message (where the checkpoint is, how to resume) and exits 128 + the signal (130, 143)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum

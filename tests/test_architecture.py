@@ -11,7 +11,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "visppo"
 
 LAYERS = [
-    {"errors"},  # a leaf: imports nothing of visppo
+    {"errors", "atomic"},  # leaves: nothing of visppo
     {"config", "memory", "metrics", "augment", "buffer", "seeding"},  # leaves: nothing of visppo but config
     {"precision", "distributed", "envs", "checkpoint"},
     {"encoders"},

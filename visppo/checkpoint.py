@@ -1,9 +1,9 @@
 """Every read and write of checkpoints: never half-written, never executing code when loaded.
 
-Saving writes a temporary file in the same directory, fsyncs it, and renames
-it over the target: a crash at any point leaves either the old complete file
-or the new complete file. Loading uses ``torch.load(weights_only=True)``, which
-refuses pickled objects other than tensors and plain containers.
+Saving goes through :mod:`visppo.atomic` (a temporary file in the same directory, fsynced,
+renamed over the target): a crash at any point leaves either the old complete file or the new
+complete file. Loading uses ``torch.load(weights_only=True)``, which refuses pickled objects
+other than tensors and plain containers.
 """
 
 from __future__ import annotations
@@ -14,17 +14,21 @@ import os
 import pickle
 import random
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from visppo import distributed
+from visppo.atomic import (
+    atomic_write,
+    atomic_write_text,  # noqa: F401  (for visppo.deploy / visppo.export until they import visppo.atomic)
+    file_mode,
+)
 from visppo.config import Config, build_config, to_dict
 from visppo.errors import ConfigError, UserError
 
@@ -33,44 +37,9 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message says which file and why."""
 
 
-def file_mode() -> int:
-    """The mode a plain ``open()`` would give a new file; ``mkstemp`` makes 0600 ones."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def atomic_write(path: Path, write: Callable[[IO], None], binary: bool) -> None:
-    """Write ``path`` so that it is either the old complete file or the new complete one:
-    a temporary file in the same directory, fsynced, renamed over ``path``, directory fsynced."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb" if binary else "w") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, file_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def atomic_save(obj: Any, path: Path) -> None:
     """``torch.save`` to ``path`` atomically."""
     atomic_write(path, lambda f: torch.save(obj, f), binary=True)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a text file (JSON, YAML) so that it is either complete or absent."""
-    atomic_write(path, lambda f: f.write(text), binary=False)
 
 
 def load(path: str | Path) -> dict[str, Any]:

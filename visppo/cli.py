@@ -99,7 +99,7 @@ def cmd_plot(ns: argparse.Namespace) -> int:
 
 def cmd_probe(ns: argparse.Namespace) -> int:
     """Largest micro-batch and inference chunk of a config under a memory budget."""
-    from visppo.checkpoint import atomic_write_text
+    from visppo.atomic import atomic_write_text
     from visppo.config import to_yaml
     from visppo.probe import format_table, plot, probe, write_json
 

@@ -32,8 +32,9 @@ import torch
 
 from visppo import checkpoint as ckpt_io
 from visppo import seeding
+from visppo.atomic import atomic_write_text, file_mode
 from visppo.builders import build_policy
-from visppo.checkpoint import CheckpointError, atomic_write_text, file_mode
+from visppo.checkpoint import CheckpointError
 from visppo.config import Config, build_config, from_dict
 from visppo.envs import check_env_id, make_env
 from visppo.errors import ConfigError, UserError

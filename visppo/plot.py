@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from visppo.checkpoint import atomic_write
+from visppo.atomic import atomic_write
 from visppo.errors import ConfigError
 
 PANELS = (("episode_return", "episode return"), ("episode_success", "success rate"))

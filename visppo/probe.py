@@ -557,7 +557,7 @@ def format_table(result: ProbeResult) -> str:
 
 
 def write_json(result: ProbeResult, path: Path) -> None:
-    from visppo.checkpoint import atomic_write_text
+    from visppo.atomic import atomic_write_text
 
     atomic_write_text(Path(path), json.dumps(result.to_json(), indent=2))
 

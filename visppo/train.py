@@ -28,6 +28,7 @@ import torch
 
 from visppo import checkpoint as ckpt_io
 from visppo import distributed, seeding
+from visppo.atomic import atomic_write_text
 from visppo.buffer import ReturnScale, RolloutBuffer, compute_gae, explained_variance, obs_of
 from visppo.builders import (
     anneal_lr,
@@ -291,7 +292,7 @@ def open_logs(run: Run, resuming: bool) -> None:
     cfg, sizes = run.cfg, run.setup.sizes
     run.dir.mkdir(parents=True, exist_ok=True)
     if not resuming:
-        ckpt_io.atomic_write_text(run.dir / "config.yaml", to_yaml(cfg))
+        atomic_write_text(run.dir / "config.yaml", to_yaml(cfg))
     run.logger = Logger(run.dir, run.num_iterations * run.global_rollout, initial_step=run.global_step,
                         tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
     run.logger.message(

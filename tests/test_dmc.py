@@ -24,7 +24,8 @@ from visppo import envs as envs_module
 from visppo.config import load_config
 from visppo.envs import check_env_id, make_env, preload_before_gl
 from visppo.errors import ConfigError
-from visppo.evaluate import _video_fps, run_episode
+from visppo.evaluate import run_episode
+from visppo.video import video_fps
 
 # Importing visppo_envs.dmc imports dm_control (where installed), which opens an EGL display and
 # so loads Mesa's LLVM; torch's compiler stack must be loaded first (see preload_before_gl).
@@ -260,7 +261,7 @@ def test_visppo_gives_the_env_the_action_repeat_and_a_1000_frame_episode(fake_su
     assert (length, total, success) == (500, 1000.0, None)  # `visppo eval`'s return: 1000 frames of reward 1
     assert len(fake_suite[-1].actions) == 1000 and env.unwrapped.action_repeat == 2
     assert env.unwrapped.metadata["render_fps"] == 50  # one frame per agent step: 2 x 0.01 s
-    assert _video_fps(env, cfg) == 50  # evaluation videos play in real time
+    assert video_fps(env, cfg.env.action_repeat) == 50  # evaluation videos play in real time
 
 
 def test_max_episode_steps_counts_frames_for_dmc(fake_suite):

@@ -1,4 +1,4 @@
-"""visppo.evaluate: episodes from a real checkpoint, videos, and checkpoints that must be refused."""
+"""visppo.evaluate: episodes from a real checkpoint, their videos, and checkpoints that must be refused."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from PIL import Image
 from visppo.checkpoint import CheckpointError
 from visppo.config import load_config
 from visppo.errors import ConfigError, UserError
-from visppo.evaluate import SEPARATOR, compose_frame, evaluate, format_result, video_layout
+from visppo.evaluate import evaluate, format_result
 from visppo.train import train
 
 EPISODE_LENGTH = 50  # visppo/DotReach-v0's registered time limit
@@ -98,26 +98,6 @@ def test_video_gif(run_dir, tmp_path):
             durations.append(im.info["duration"])
     assert sum(durations) == 50 * (EPISODE_LENGTH + 1)
     assert iio.imread(video, index=0).shape[:2] == (288, 288)
-
-
-def test_compose_frame_with_view():
-    stacked = np.zeros((6, 40, 40), np.uint8)
-    stacked[3:, :, :] = 200  # the newest frame of a stack of 2 RGB frames
-    calls = []
-
-    def render_view(width, height):
-        calls.append((width, height))
-        return np.full((height, width, 3), 50, np.uint8)
-
-    frame = compose_frame(stacked, 2, render_view)
-    height, cam_width, view_width = video_layout(40, 40, True)
-    assert (height, cam_width) == (280, 280) and calls == [(view_width, height)]
-    assert frame.shape[0] == height and frame.shape[1] >= cam_width + view_width
-    assert frame.shape[0] % 2 == 0 and frame.shape[1] % 2 == 0  # H.264 yuv420p needs even sizes
-    assert (frame[:, :cam_width] == 200).all()  # newest frame, not the older one
-    start = cam_width + SEPARATOR
-    assert frame.shape[1] == start + view_width + (start + view_width) % 2
-    assert (frame[:, start:start + view_width] == 50).all()  # the view, same height, beside the camera
 
 
 def test_env_overrides_change_the_env_and_nothing_else(run_dir, tmp_path):
@@ -292,9 +272,9 @@ def test_crash_leaves_no_video(run_dir, tmp_path, monkeypatch):
 
 
 def test_gif_when_ffmpeg_is_missing(run_dir, tmp_path, monkeypatch):
-    import visppo.evaluate as ev
+    import visppo.video
 
-    monkeypatch.setattr(ev, "_ffmpeg_available", lambda: False)
+    monkeypatch.setattr(visppo.video, "ffmpeg_available", lambda: False)
     with pytest.warns(RuntimeWarning, match="ffmpeg"):
         result = evaluate(run_dir, episodes=1, deterministic=True, video=tmp_path / "eval.mp4")
     assert result["video"] == str(tmp_path / "eval.gif")

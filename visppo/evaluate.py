@@ -4,14 +4,11 @@
 rebuilds the policy from the config stored in it, on the CPU, and runs
 :func:`run_episodes` in one env made exactly as training makes its envs.
 
-A video frame shows what the policy sees (the newest RGB frame of its stack,
-upscaled with nearest-neighbour so it is visible) and, for tasks that have one
-(``env.unwrapped.render_view``), a third-person view of the same height beside
-it. One frame per observation: the reset observation of each episode and the
-observation after every step, so a video of ``n`` episodes of ``L`` steps has
-``n * (L + 1)`` frames. Videos and JSON files are written to a temporary file
-in the target's directory and renamed into place: a crash never leaves a half
-file under the final name.
+A video records one frame per observation: the reset observation of each episode
+and the observation after every step, so a video of ``n`` episodes of ``L`` steps
+has ``n * (L + 1)`` frames (what a frame shows, and the writer: :mod:`visppo.video`).
+Videos and JSON files are written to a temporary file in the target's directory and
+renamed into place: a crash never leaves a half file under the final name.
 """
 
 from __future__ import annotations
@@ -19,10 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
-import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +26,14 @@ import torch
 
 from visppo import checkpoint as ckpt_io
 from visppo import seeding
-from visppo.atomic import atomic_write_text, file_mode
+from visppo.atomic import atomic_write_text
 from visppo.builders import build_policy
 from visppo.checkpoint import CheckpointError
 from visppo.config import Config, build_config, from_dict
 from visppo.envs import check_env_id, make_env
 from visppo.errors import ConfigError, UserError
 from visppo.policy import ActorCritic
-
-MIN_VIDEO_HEIGHT = 256
-"""The policy's camera is upscaled by an integer factor to at least this height in videos."""
-VIEW_ASPECT = 4 / 3
-"""Width / height of the third-person view beside the policy's camera."""
-SEPARATOR = 4
-"""Pixels of dark border between the two panels of a video frame."""
-VIDEO_SUFFIXES = (".mp4", ".gif", ".mkv", ".mov", ".avi")  # imageio-ffmpeg has no webm encoder
-_X264_SUFFIXES = (".mp4", ".mkv", ".mov")
-
+from visppo.video import check_suffix, compose_frame, no_writer, video_fps, video_writer
 
 # --------------------------------------------------------------------------- episodes
 
@@ -77,8 +62,7 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
         raise UserError(f"episodes must be at least 1, got {episodes}")
     if video is not None:
         video = _check_output_path(Path(video), "video")
-        if video.suffix.lower() not in VIDEO_SUFFIXES:
-            raise UserError(f"video file {video} must end in one of {', '.join(VIDEO_SUFFIXES)}")
+        check_suffix(video)
     check_env_id(cfg.env.id)
     env = make_env(cfg, seeding.EVAL)
     results: list[tuple[float, int, bool | None]] = []
@@ -92,7 +76,7 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
     try:
         render_view = getattr(env.unwrapped, "render_view", None)
         render_view = render_view if callable(render_view) else None
-        writer_cm = _video_writer(video, _video_fps(env, cfg)) if video is not None else _no_writer()
+        writer_cm = video_writer(video, video_fps(env, cfg.env.action_repeat)) if video is not None else no_writer()
         with writer_cm as writer, torch.random.fork_rng(devices=[]), torch.inference_mode():
             torch.manual_seed(seed)
             record = ((lambda obs: writer.append(compose_frame(obs["pixels"], cfg.env.frame_stack, render_view)))
@@ -262,145 +246,7 @@ def format_result(result: dict[str, Any]) -> str:
             f"{result['episodes']} episodes ({mode}, mean length {result['mean_length']:.0f})")
 
 
-# --------------------------------------------------------------------------- video frames
-
-
-def camera_image(pixels: np.ndarray, frame_stack: int) -> np.ndarray:
-    """The newest frame of a stacked CHW observation, as RGB HWC uint8."""
-    channels = pixels.shape[0] // max(1, frame_stack)
-    frame = pixels[-channels:] if channels else pixels
-    frame = np.transpose(frame, (1, 2, 0))
-    if frame.shape[2] == 1:
-        frame = np.repeat(frame, 3, axis=2)
-    return np.ascontiguousarray(frame[..., :3], dtype=np.uint8)
-
-
-def resize_nearest(image: np.ndarray, height: int, width: int) -> np.ndarray:
-    h, w = image.shape[:2]
-    if (h, w) == (height, width):
-        return image
-    rows = np.arange(height) * h // height
-    cols = np.arange(width) * w // width
-    return image[rows[:, None], cols[None, :]]
-
-
-def video_layout(image_height: int, image_width: int, has_view: bool) -> tuple[int, int, int]:
-    """``(height, camera_width, view_width)`` of a video frame's panels (view_width 0 without a view)."""
-    scale = max(1, math.ceil(MIN_VIDEO_HEIGHT / image_height))
-    height = image_height * scale
-    view_width = int(round(height * VIEW_ASPECT)) if has_view else 0
-    return height, image_width * scale, view_width
-
-
-def compose_frame(pixels: np.ndarray, frame_stack: int, render_view=None) -> np.ndarray:
-    """One video frame: the policy's camera, upscaled, and the third-person view beside it.
-
-    The frame's height and width are rounded up to even numbers (H.264 in
-    yuv420p needs them) by a dark border at the bottom / right.
-    """
-    cam = camera_image(pixels, frame_stack)
-    height, cam_width, view_width = video_layout(cam.shape[0], cam.shape[1], render_view is not None)
-    panels = [resize_nearest(cam, height, cam_width)]
-    if render_view is not None:
-        view = np.asarray(render_view(width=view_width, height=height), dtype=np.uint8)[..., :3]
-        panels += [np.full((height, SEPARATOR, 3), 16, np.uint8), resize_nearest(view, height, view_width)]
-    frame = np.concatenate(panels, axis=1)
-    pad_h, pad_w = frame.shape[0] % 2, frame.shape[1] % 2
-    if pad_h or pad_w:
-        frame = np.pad(frame, ((0, pad_h), (0, pad_w), (0, 0)), constant_values=16)
-    return np.ascontiguousarray(frame)
-
-
-# --------------------------------------------------------------------------- writing files
-
-
-def _video_fps(env: gym.Env, cfg: Config) -> float:
-    fps = float(env.metadata.get("render_fps") or 30)
-    return max(1.0, fps / max(1, cfg.env.action_repeat))
-
-
-def _ffmpeg_available() -> bool:
-    try:
-        import imageio_ffmpeg
-
-        return bool(imageio_ffmpeg.get_ffmpeg_exe())
-    except Exception:
-        return False
-
-
-class _Frames:
-    """Streams frames to a temp file next to ``path``; renamed into place by :func:`_video_writer`."""
-
-    def __init__(self, path: Path, fps: float):
-        self.path = path
-        if path.suffix.lower() != ".gif" and not _ffmpeg_available():
-            self.path = path.with_suffix(".gif")
-            warnings.warn(f"ffmpeg is not available (install imageio-ffmpeg): writing {self.path} instead "
-                          f"of {path}", RuntimeWarning, stacklevel=3)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.stem}.",
-                                   suffix=self.path.suffix)
-        os.close(fd)
-        self.tmp = Path(tmp)
-        self.frames = 0
-        try:
-            self._open(fps)
-        except BaseException:
-            self.tmp.unlink(missing_ok=True)
-            raise
-
-    def _open(self, fps: float) -> None:
-        suffix = self.path.suffix.lower()
-        if suffix == ".gif":
-            import imageio.v3 as iio
-
-            self._gif = iio.imopen(self.tmp, "w", plugin="pillow", extension=".gif")
-            self._gif_duration = int(round(1000 / fps))
-            self._writer = None
-        else:
-            import imageio.v2 as iio2
-
-            self._gif = None
-            codec = {"codec": "libx264"} if suffix in _X264_SUFFIXES else {}
-            self._writer = iio2.get_writer(self.tmp, format="FFMPEG", mode="I", fps=fps, quality=8,
-                                           macro_block_size=1, ffmpeg_log_level="error", **codec)
-
-    def append(self, frame: np.ndarray) -> None:
-        if self._gif is not None:
-            self._gif.write(frame, duration=self._gif_duration, loop=0)
-        else:
-            self._writer.append_data(frame)
-        self.frames += 1
-
-    def close(self) -> None:
-        if self._gif is not None:
-            self._gif.close()
-        else:
-            self._writer.close()
-
-
-@contextmanager
-def _video_writer(path: Path, fps: float) -> Iterator[_Frames]:
-    frames = _Frames(path, fps)
-    try:
-        yield frames
-        frames.close()
-        if frames.frames == 0:
-            raise RuntimeError("no video frames were recorded")
-        os.chmod(frames.tmp, file_mode())
-        os.replace(frames.tmp, frames.path)
-    except BaseException:
-        try:
-            frames.close()
-        except Exception:
-            pass
-        frames.tmp.unlink(missing_ok=True)
-        raise
-
-
-@contextmanager
-def _no_writer() -> Iterator[None]:
-    yield None
+# --------------------------------------------------------------------------- output files
 
 
 def _check_output_path(path: Path, what: str) -> Path:

@@ -7,7 +7,7 @@ from conftest import infer_with, setup_of, update_with
 from visppo.buffer import RolloutBuffer
 from visppo.config import ModelConfig, PPOConfig
 from visppo.policy import ActorCritic
-from visppo.ppo import minibatch_gradient, ppo_loss, update_value_norm
+from visppo.ppo import minibatch_gradient, ppo_loss
 from visppo.precision import resolve_precision
 
 CPU = torch.device("cpu")
@@ -109,21 +109,6 @@ def test_value_errors_and_the_value_clip_are_in_units_of_the_value_scale():
     # clipped: the new value may move 0.2 * 10 = 2 from the old: 152 and 148
     _, stats = ppo_loss(logp, logp, adv, v_new, v_old, ret, ent, 0.2, True, 0.5, 0.0, value_scale=10.0)
     assert stats["value_loss"].tolist() == pytest.approx([0.5 * 1.0, 0.5 * 1.8**2, 0.5 * 1.0])
-
-
-def test_value_norm_keeps_the_running_mean_and_variance_of_every_rollouts_returns():
-    torch.manual_seed(0)
-    obs_space, act_space = _spaces()
-    policy = ActorCritic(obs_space, act_space, ModelConfig(feature_dim=32, hidden_dim=32, norm_value=True))
-    first, second = 150 + 20 * torch.randn(6, 4), 300 + 5 * torch.randn(6, 4)
-    update_value_norm(policy, first)
-    assert policy.value_mean.item() == pytest.approx(first.double().mean().item())
-    update_value_norm(policy, second)
-    both = torch.cat([first, second]).double()
-    assert policy.value_count.item() == 48
-    assert policy.value_mean.item() == pytest.approx(both.mean().item())
-    assert policy.value_var.item() == pytest.approx(both.var(unbiased=False).item())
-    assert float(policy.value_scale()) == pytest.approx(both.std(unbiased=False).item(), rel=1e-6)
 
 
 def test_update_early_stops_on_target_kl_without_stepping():

@@ -55,7 +55,7 @@ def test_a_resumed_run_ends_with_the_same_parameters_as_an_uninterrupted_one(tmp
     if "ppo.norm_reward" in extra:
         assert a["reward_scale"]["count"] == b["reward_scale"]["count"] == pytest.approx(256, abs=1e-3)
     if "model.norm_value" in extra:
-        assert a["model"]["value_count"] == b["model"]["value_count"] == 256
+        assert a["model"]["value_norm.count"] == b["model"]["value_norm.count"] == 256
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
     steps = [int(r["global_step"]) for r in csv.DictReader((resumed / "metrics.csv").open())]

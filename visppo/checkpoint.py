@@ -31,6 +31,7 @@ from visppo.atomic import (
 )
 from visppo.config import Config, build_config, to_dict
 from visppo.errors import ConfigError, UserError
+from visppo.value_norm import renamed_old_keys
 
 
 class CheckpointError(UserError):
@@ -128,7 +129,8 @@ REMOVED_BUFFERS = ("kp_count", "kp_mean", "kp_m2")
 
 def without_removed_tensors(state: dict[str, Any]) -> dict[str, Any]:
     """A policy state dict without the tensors of removed features: the auxiliary heads, the
-    keypoint statistics, and a critic encoder that reads no pixels (model.privileged_critic's).
+    keypoint statistics, and a critic encoder that reads no pixels (model.privileged_critic's);
+    and with the value statistics under their ValueNorm names (``value_count`` -> ``value_norm.count``, ...).
     What remains must still fit the model (the caller checks)."""
     state_only_critic = not any(k.startswith("critic_encoder.pixels.") for k in state)
 
@@ -136,7 +138,7 @@ def without_removed_tensors(state: dict[str, Any]) -> dict[str, Any]:
         return (key.startswith(REMOVED_HEADS) or key.rsplit(".", 1)[-1] in REMOVED_BUFFERS
                 or (state_only_critic and key.startswith("critic_encoder.")))
 
-    return {k: v for k, v in state.items() if not removed(k)}
+    return renamed_old_keys({k: v for k, v in state.items() if not removed(k)})
 
 
 def rng_state() -> dict[str, Any]:

@@ -21,6 +21,7 @@ from torch.distributions import Categorical, Distribution, Normal
 from visppo.augment import make_augmentation
 from visppo.config import ModelConfig
 from visppo.encoders import ObsEncoder, load_encoder_weights
+from visppo.value_norm import ValueNorm
 
 Obs = dict[str, torch.Tensor]
 
@@ -63,11 +64,8 @@ class ActorCritic(nn.Module):
         feat = self.encoder.out_dim
         self.actor = _mlp(feat, cfg.hidden_dim, act_dim, 0.01)
         self.critic = _mlp(feat, cfg.hidden_dim, 1, 1.0)
-        self.norm_value = cfg.norm_value
-        if cfg.norm_value:  # the value targets' running moments (ppo.update_value_norm), saved with the weights
-            self.register_buffer("value_count", torch.zeros((), dtype=torch.float64))
-            self.register_buffer("value_mean", torch.zeros((), dtype=torch.float64))
-            self.register_buffer("value_var", torch.ones((), dtype=torch.float64))
+        # model.norm_value: the value targets' running moments, which the update merges each rollout into
+        self.value_norm = ValueNorm() if cfg.norm_value else None
         self.encoder_name = cfg.encoder
         self.augment = make_augmentation(cfg.augment, cfg.shift_pad, cfg.rotate_degrees)  # last: it draws its seed
 
@@ -96,15 +94,12 @@ class ActorCritic(nn.Module):
         hidden = self.critic[:-1](critic_feats)
         with torch.autocast(hidden.device.type, enabled=False):
             out = self.critic[-1](hidden.float()).squeeze(-1)
-            return out * self.value_scale() + self.value_mean.float() if self.norm_value else out
+            return self.value_norm.denormalize(out) if self.value_norm is not None else out
 
     def value_scale(self) -> torch.Tensor | float:
-        """What the value loss divides value errors by: the targets' running std with norm_value
-        (floored at 1, so returns that barely vary, as before a sparse task's first reward, are
-        not blown up), else 1."""
-        if not self.norm_value:
-            return 1.0
-        return self.value_var.sqrt().clamp(min=1.0).float()
+        """What the value loss divides value errors by: with norm_value the targets' running std
+        (:meth:`ValueNorm.scale`), else 1."""
+        return self.value_norm.scale() if self.value_norm is not None else 1.0
 
     def _dist(self, actor_feats: torch.Tensor) -> Distribution:
         return self._dist_of(self.actor(actor_feats).float())

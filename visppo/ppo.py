@@ -38,7 +38,6 @@ from visppo import distributed
 from visppo.buffer import (
     RolloutBuffer,
     compute_gae,
-    merge_moments,
     micro_batches,
     minibatches,
     obs_of,
@@ -187,22 +186,6 @@ def ppo_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.T
             "clip_frac": ((ratio - 1).abs() > clip_coef).float(),
         }
     return loss, stats
-
-
-def update_value_norm(policy: ActorCritic, returns: torch.Tensor, across_ranks: bool = False) -> None:
-    """Merge a rollout's value targets (every rank's, with ``across_ranks``) into the critic's running
-    mean and variance (model.norm_value), before the update that learns them."""
-    if across_ranks:
-        mean, std, n = distributed.mean_std(returns)
-        var = std * std * (n - 1) / n if n > 1 else 0.0
-    else:
-        r = returns.detach().double()
-        mean, var, n = r.mean().item(), r.var(unbiased=False).item(), r.numel()
-    count, mean, var = merge_moments(policy.value_count.item(), policy.value_mean.item(), policy.value_var.item(),
-                                     n, mean, var)
-    policy.value_count.fill_(count)
-    policy.value_mean.fill_(mean)
-    policy.value_var.fill_(var)
 
 
 def normalize_advantages(adv: torch.Tensor, across_ranks: bool = False) -> torch.Tensor:
@@ -382,8 +365,8 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
     target is not stepped and the update stops (Stable-Baselines3's rule). With model.norm_value,
     the rollout's returns first join the critic's target statistics."""
     cfg = setup.ppo
-    if policy.norm_value:
-        update_value_norm(policy, buffer.returns, setup.across_ranks)
+    if policy.value_norm is not None:
+        policy.value_norm.update(buffer.returns, setup.across_ranks)
     params = [p for p in policy.parameters() if p.requires_grad]
     result, totals = UpdateResult(), {}
     for epoch in range(cfg.num_epochs):

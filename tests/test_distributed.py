@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 from conftest import tiny_overrides, update_with
 
 import visppo.ppo as ppo_module
-from visppo import distributed
+from visppo import distributed, seeding
+from visppo.augment import make_augmentation
 from visppo.buffer import RolloutBuffer, minibatches
 from visppo.config import ModelConfig, PPOConfig, load_config
 from visppo.encoders import FreezeSchedule
@@ -141,15 +142,16 @@ def _rank_worker(rank: int, world: int, port: int, out: str) -> None:
         policy.score_actions = counting(policy.score_actions)
         policy.score_actions_augmented = counting(policy.score_actions_augmented)
         generator = torch.Generator().manual_seed(_minibatch_seed(rank))
-        if rank and policy.augment is not None:  # as train() does: each rank its own shifts
-            policy.augment.generator.manual_seed(distributed.rank_seed(0, rank))
+        # as train() does (builders.build_augmentation): each rank its own shifts
+        augment = make_augmentation(SCENARIOS[name][1].get("augment", "none"), 4,
+                                    seed=seeding.augment_seed(0, rank))
         first = update_with(policy, optimizer, _fill(policy, rank, 0), cfg, MICRO, 1024,
-                            generator, before_step=freeze, across_ranks=True)
+                            generator, before_step=freeze, across_ranks=True, augment=augment)
         after_first = {k: v.clone() for k, v in policy.state_dict().items()}
         first_counts = dict(counts)
         for k in (1, 2):  # more updates on fresh rollouts
             update_with(policy, optimizer, _fill(policy, rank, k), cfg, MICRO, 1024,
-                        generator, before_step=freeze, across_ranks=True)
+                        generator, before_step=freeze, across_ranks=True, augment=augment)
         everyone = distributed.all_gather([p.detach().clone() for p in policy.parameters()])
         results[name] = {
             "params_after_first": after_first, "optimizer_steps": first.optimizer_steps,

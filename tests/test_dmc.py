@@ -390,7 +390,7 @@ RANDOM_RETURN = {
 def test_dmc_training_rises_above_random(suite, task, steps, above, tmp_path):
     """``configs/dmc_<task>.yaml`` on the fast look, seed 1: the training return (mean of the last
     100 episodes) ends at least ``above`` over the random policy's. Margins sit below what the
-    shipped configs reached at that budget (README). cartpole-balance needs the longest: its
-    training return passes the random policy's only from about 60k steps (README)."""
+    per-task configs of 2026-11 reached at that budget (docs/dmc.md). cartpole-balance needs the longest: its
+    training return passes the random policy's only from about 60k steps (docs/dmc.md)."""
     returns = train_short(f"dmc_{task}.yaml", steps, tmp_path, ("env.kwargs.look=fast",))
     assert returns[-1] > RANDOM_RETURN[task] + above, returns[-5:]

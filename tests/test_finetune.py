@@ -10,6 +10,7 @@ import torch
 import torchvision
 from conftest import infer_with, setup_of, tiny_overrides, update_with
 
+from visppo.augment import make_augmentation
 from visppo.buffer import RolloutBuffer
 from visppo.builders import build_optimizer, build_policy
 from visppo.config import ModelConfig, PPOConfig, load_config
@@ -54,6 +55,12 @@ def _setup(encoder="nature", side=48, c=3, T=4, N=2, seed=0, state=True, **model
     buf.advantages.normal_(generator=g)
     buf.returns.copy_(buf.values + buf.advantages)
     return policy, buf
+
+
+def _setup_aug(encoder="nature", side=48, augment="shift", shift_pad=4, seed=0, **kw):
+    """``_setup`` and the update's augmentation (``builders.build_augmentation`` builds it in a run)."""
+    policy, buf = _setup(encoder, side, seed=seed, **kw)
+    return policy, buf, make_augmentation(augment, shift_pad, seed=seed)
 
 
 def _snapshot(params):
@@ -227,13 +234,13 @@ def test_batchnorm_statistics_do_not_move_during_training():
     assert not torch.equal(conv, policy.encoder.pixels.net.layer1[0].conv1.weight)
 
 
-def _grads(policy, buf, mb, micro, cfg, seed=None):
+def _grads(policy, buf, mb, micro, cfg, seed=None, aug=None):
     if seed is not None:
-        policy.augment.generator.manual_seed(seed)  # the same augmentation draws
+        aug.generator.manual_seed(seed)  # the same augmentation draws
     policy.zero_grad(set_to_none=True)
     adv = buf.flat(buf.advantages)[mb]
     adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-    stats = minibatch_gradient(policy, buf, mb, adv, setup_of(cfg, micro))
+    stats = minibatch_gradient(policy, buf, mb, adv, setup_of(cfg, micro, augment=aug))
     return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, stats
 
 
@@ -254,14 +261,14 @@ def test_checkpointing_gives_the_same_gradients_in_theupdate_with():
 
 @pytest.mark.parametrize("use", ["none", "drac", "loss", "rotate"])
 def test_accumulated_gradient_equals_full_minibatch_gradient_resnet(use):
-    model = {"augment": "rotate" if use == "rotate" else "shift", "shift_pad": 2} if use != "none" else {}
-    policy, buf = _setup("resnet18", 32, T=4, N=2, **model)
+    policy, buf, aug = _setup_aug("resnet18", 32, "rotate" if use == "rotate" else "shift", 2, T=4, N=2)
+    aug = aug if use != "none" else None
     cfg = PPOConfig(clip_value=True, entropy_coef=0.01, drac_coef=0.5 if use == "drac" else 0.0,
                     augment_loss=use in ("loss", "rotate"))
     mb = torch.randperm(buf.size, generator=torch.Generator().manual_seed(1))[:7]
     seed = 11 if use != "none" else None
-    full, full_stats = _grads(policy, buf, mb, 7, cfg, seed)
-    acc, acc_stats = _grads(policy, buf, mb, 3, cfg, seed)
+    full, full_stats = _grads(policy, buf, mb, 7, cfg, seed, aug)
+    acc, acc_stats = _grads(policy, buf, mb, 3, cfg, seed, aug)
     _assert_same_grads(full, acc, atol=1e-7)
     for k in full_stats:
         assert float(acc_stats[k]) == pytest.approx(float(full_stats[k]), rel=1e-5, abs=1e-7), k
@@ -272,20 +279,20 @@ def test_accumulated_gradient_equals_full_minibatch_gradient_resnet(use):
 def test_augment_loss_is_the_ppo_gradient_on_the_minibatchs_shifted_frames(augment):
     """ppo.augment_loss (RAD): the update's gradient is the plain one on a copy of the frames shifted
     (or turned) by the minibatch's draws; logp_old, values and returns stay the buffer's."""
-    policy, buf = _setup("nature", 48, T=4, N=2, augment=augment, shift_pad=4)
+    policy, buf, aug = _setup_aug("nature", 48, augment, 4, T=4, N=2)
     mb = torch.tensor([5, 0, 3, 6, 1, 2])
-    policy.augment.generator.manual_seed(7)
-    offsets, _ = policy.augment.draw_ahead(len(mb))
-    moved = policy.augment.apply(buf.flat(buf.obs["pixels"])[mb], offsets)
+    aug.generator.manual_seed(7)
+    offsets, _ = aug.draw_ahead(len(mb))
+    moved = aug.apply(buf.flat(buf.obs["pixels"])[mb], offsets)
     assert not torch.equal(moved, buf.flat(buf.obs["pixels"])[mb])  # some sample is really moved
-    got, stats = _grads(policy, buf, mb, 4, PPOConfig(augment_loss=True, entropy_coef=0.01), seed=7)
+    got, stats = _grads(policy, buf, mb, 4, PPOConfig(augment_loss=True, entropy_coef=0.01), seed=7, aug=aug)
     shifted = buf.flat(buf.obs["pixels"]).clone()
-    shifted[mb] = policy.augment.apply(shifted[mb], offsets)
+    shifted[mb] = aug.apply(shifted[mb], offsets)
     buf.obs["pixels"].copy_(shifted.view(buf.obs["pixels"].shape))
     want, want_stats = _grads(policy, buf, mb, 6, PPOConfig(entropy_coef=0.01))
     _assert_same_grads(got, want, atol=1e-7)
     assert "drac_policy" not in stats
-    plain, _ = _grads(policy, buf, mb, 6, PPOConfig(augment_loss=True, entropy_coef=0.01), seed=8)
+    plain, _ = _grads(policy, buf, mb, 6, PPOConfig(augment_loss=True, entropy_coef=0.01), seed=8, aug=aug)
     assert any(not torch.equal(plain[k], want[k]) for k in want)  # other draws, another gradient
 
 
@@ -293,13 +300,13 @@ def test_augment_loss_is_the_ppo_gradient_on_the_minibatchs_shifted_frames(augme
 
 
 def test_augmentation_is_applied_in_the_update_and_never_when_acting(monkeypatch):
-    policy, buf = _setup("nature", 48, augment="shift", shift_pad=4)
+    policy, buf, aug = _setup_aug("nature", 48, "shift", 4)
     plain = ActorCritic(_space(3, 48, True), BOX, ModelConfig(encoder="nature", feature_dim=16, hidden_dim=16))
-    plain.load_state_dict({k: v for k, v in policy.state_dict().items() if not k.startswith("augment.")})
+    plain.load_state_dict(policy.state_dict())
     calls = []
-    apply = policy.augment.apply
-    monkeypatch.setattr(policy.augment, "apply", lambda x, o: calls.append(len(x)) or apply(x, o))
-    rng = policy.augment.generator.get_state()
+    apply = aug.apply
+    monkeypatch.setattr(aug, "apply", lambda x, o: calls.append(len(x)) or apply(x, o))
+    rng = aug.generator.get_state()
     obs = {k: buf.flat(v) for k, v in buf.obs.items()}
     with torch.no_grad():
         a1, lp1, v1 = policy.act(obs, deterministic=True)
@@ -312,17 +319,17 @@ def test_augmentation_is_applied_in_the_update_and_never_when_acting(monkeypatch
     ref_values, ref_logp = infer_with(plain, obs, buf.flat(buf.actions), 3)
     torch.testing.assert_close(values, ref_values)
     torch.testing.assert_close(logp, ref_logp)
-    assert calls == [] and torch.equal(policy.augment.generator.get_state(), rng)
+    assert calls == [] and torch.equal(aug.generator.get_state(), rng)
 
     mb = torch.arange(8)
-    _, stats = _grads(policy, buf, mb, 4, PPOConfig(drac_coef=0.1))
+    _, stats = _grads(policy, buf, mb, 4, PPOConfig(drac_coef=0.1), aug=aug)
     assert calls == [4, 4]  # each micro-batch of the update, on its augmented copy
     assert float(stats["drac_policy"]) > 0 and float(stats["drac_value"]) > 0
-    assert not torch.equal(policy.augment.generator.get_state(), rng)
+    assert not torch.equal(aug.generator.get_state(), rng)
     calls.clear()
-    _grads(policy, buf, mb, 4, PPOConfig(drac_coef=0.0))
+    _grads(policy, buf, mb, 4, PPOConfig(drac_coef=0.0), aug=aug)
     assert calls == []
-    _, stats = _grads(policy, buf, mb, 4, PPOConfig(augment_loss=True))
+    _, stats = _grads(policy, buf, mb, 4, PPOConfig(augment_loss=True), aug=aug)
     assert calls == [4, 4] and "drac_policy" not in stats  # the loss's own frames, no second pass
 
 
@@ -359,14 +366,15 @@ def test_an_oom_retry_draws_the_same_augmentation():
     """The OOM back-off halves the micro-batch and retries: the shifts, hence the update, are the same."""
     from visppo.ppo import MemorySizes
 
-    (policy, buf), (ref, _) = _setup(augment="shift", shift_pad=2), _setup(augment="shift", shift_pad=2)
+    (policy, buf, aug), (ref, _, ref_aug) = _setup_aug(shift_pad=2), _setup_aug(shift_pad=2)
     cfg = PPOConfig(num_epochs=1, minibatch_size=8, drac_coef=0.5)
     sizes = MemorySizes(micro=8, chunk=8)
     with pytest.warns(RuntimeWarning, match="out of memory"):
-        update_with(_OOMAbove(policy, 4), torch.optim.Adam(policy.parameters(), lr=1e-3), buf, cfg, sizes, None, torch.Generator().manual_seed(0))
+        update_with(_OOMAbove(policy, 4), torch.optim.Adam(policy.parameters(), lr=1e-3), buf, cfg, sizes, None, torch.Generator().manual_seed(0),
+                    augment=aug)
     assert sizes.micro == 4
     update_with(ref, torch.optim.Adam(ref.parameters(), lr=1e-3), buf, cfg, 8, 8,
-           torch.Generator().manual_seed(0))
-    assert torch.equal(policy.augment.generator.get_state(), ref.augment.generator.get_state())
+                torch.Generator().manual_seed(0), augment=ref_aug)
+    assert torch.equal(aug.generator.get_state(), ref_aug.generator.get_state())
     for a, b in zip(policy.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

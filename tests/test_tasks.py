@@ -542,7 +542,7 @@ def test_assets_load_from_an_installed_wheel(tmp_path):
 @pytest.mark.slow
 def test_reach_training_rises_above_random(tmp_path):
     """The default task (`visppo train`): a random policy returns 0.29 with 0% success; the
-    full run's training success was 17% at 25k steps (README, Tasks)."""
+    full run's training success was 17% at 25k steps (docs/learning.md)."""
     returns = train_short(None, 25_000, tmp_path)
     assert returns[-1] > 1.0, returns[-5:]
 
@@ -562,6 +562,6 @@ def test_push_training_rises_above_random(tmp_path):
     """configs/push.yaml: a random policy returns -0.22 +- 0.73 (20 episodes of 100
     steps), a zero action 0. In an early run (seed 1, Nature CNN) the training return was
     0.12 at 5k steps, 1.0 at 15k and 1.3 at 20-25k: the finger first learns to go behind
-    the puck; the pushing comes far later (README, Push: 78% deterministic success at 1M over three seeds)."""
+    the puck; the pushing comes far later (docs/learning.md, Push: 78% deterministic success at 1M over three seeds)."""
     returns = train_short("push.yaml", 25_000, tmp_path)
     assert returns[-1] > 0.6, returns[-5:]

@@ -32,8 +32,9 @@ is a frame of a real state, the stored action is a real action from it, and RAD'
 (``ppo.augment_loss``, the acting pass's ``logp_old``) is an exact importance ratio: the turn
 adds data instead of regularising. On a task without the symmetry it teaches a wrong policy.
 
-Random draws come from the module's own ``torch.Generator`` (saved in the
-policy's state dict, so a resumed run draws the same shifts); a minibatch's
+Random draws come from the module's own ``torch.Generator``, seeded by
+``builders.build_augmentation`` and saved in each rank's checkpoint state, so a resumed run
+draws the same shifts; a minibatch's
 shifts are drawn at once, before it is split into micro-batches, so
 micro-batching does not change them.
 """
@@ -138,14 +139,17 @@ class RandomRotate(RandomShift):
         return f"degrees={self.degrees:g}"
 
 
-def make_augmentation(name: str, pad: int, degrees: float = 180.0) -> RandomShift | None:
-    """``model.augment`` -> the module, or None for ``none``."""
+Augmentation = RandomShift  # RandomRotate is one too: draw_ahead, apply, augment_obs, generator
+
+
+def make_augmentation(name: str, pad: int, degrees: float = 180.0, seed: int | None = None) -> Augmentation | None:
+    """``model.augment`` -> the module, or None for ``none``; ``seed`` seeds its draws."""
     if name == "none":
         return None
     if name == "shift":
-        return RandomShift(pad)
+        return RandomShift(pad, seed)
     if name == "rotate":
-        return RandomRotate(degrees)
+        return RandomRotate(degrees, seed)
     raise ValueError(f"unknown augmentation {name!r}: use one of {' | '.join(AUGMENTATIONS)}")
 
 

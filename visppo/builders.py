@@ -13,6 +13,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from visppo import seeding
+from visppo.augment import Augmentation, make_augmentation
 from visppo.config import Config
 from visppo.errors import ConfigError
 from visppo.memory import format_bytes
@@ -111,6 +113,15 @@ def build_policy(cfg: Config, obs_space: gym.spaces.Dict, action_space: gym.Spac
     return policy
 
 
+def build_augmentation(cfg: Config, rank: int = 0) -> Augmentation | None:
+    """``model.augment``: the update's augmentation (None for ``none``), seeded from
+    (``train.seed``, ``rank``) so each rank draws its own and a run its same ones; the update
+    draws from it (``UpdateSetup.augment``) and checkpoints save its generator per rank."""
+    m = cfg.model
+    return make_augmentation(m.augment, m.shift_pad, m.rotate_degrees,
+                             seed=seeding.augment_seed(cfg.train.seed, rank))
+
+
 def build_optimizer(cfg: Config, policy: ActorCritic) -> torch.optim.Adam:
     """Adam; with ``model.encoder_lr_scale`` != 1 the encoder trunks get their own param group at
     ``lr * scale``. Every group keeps its ``initial_lr``, which annealing scales, so the ratio holds.
@@ -130,14 +141,3 @@ def anneal_lr(optimizer: torch.optim.Optimizer, iteration: int, num_iterations: 
     """Linear decay to 0 over the run, per group from its ``initial_lr`` (keeps encoder_lr_scale)."""
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] * (1.0 - (iteration - 1) / num_iterations)
-
-
-def schedule_log_std(policy: ActorCritic, iteration: int, num_iterations: int, init: float, final: float) -> None:
-    """``model.final_log_std``: the Gaussian's log-std for ``iteration``, linear from ``init`` at
-    the first iteration towards ``final`` (reached where the learning rate reaches 0).
-
-    A learned std stays wide when nothing in the loss narrows it (no entropy bonus pushes it
-    either way): the policy learned is then the noisy one, and its mean alone, the
-    deterministic policy, may do worse. A schedule makes the mean carry the task by the end."""
-    with torch.no_grad():
-        policy.log_std.fill_(init + (final - init) * (iteration - 1) / num_iterations)

@@ -269,7 +269,7 @@ def resume_for_rank(ckpt: dict, ctx: distributed.Context) -> dict:
 
 def restore(ckpt: dict, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scaler: torch.amp.GradScaler | None, generator: torch.Generator, envs,
-            reward_scale=None) -> tuple[int, int]:
+            reward_scale=None, augment=None) -> tuple[int, int]:
     """Load every state a checkpoint carries; returns (first iteration to run, global step).
     Call :func:`set_rng_state` (``ckpt["rng"]``) last, once building has drawn what it draws."""
     try:
@@ -280,7 +280,6 @@ def restore(ckpt: dict, policy: torch.nn.Module, optimizer: torch.optim.Optimize
     if scaler and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
     generator.set_state(ckpt["minibatch_generator"])
-    augment = getattr(policy, "augment", None)
     if augment is not None and "augment_generator" in ckpt:
         augment.generator.set_state(ckpt["augment_generator"])
     envs.set_attr("episode", list(ckpt["env_episodes"]))

@@ -5,7 +5,9 @@ Three entry points and nothing else: ``act`` (sample at collection time),
 ``value`` (for bootstrapping); ``score_actions_augmented`` is ``score_actions`` plus
 what the DrAC terms of the update need. Distributions are built in float32 even under
 autocast: log-probs feed a ratio ``exp(new - old)`` that low precision would
-distort. ``augment`` (a RandomShift or RandomRotate, or None) is used by the update only.
+distort. The policy owns its Gaussian's log-std, learned or on the schedule of
+``model.final_log_std`` (:meth:`ActorCritic.schedule_log_std`); the update's augmentation is
+not the policy's (``builders.build_augmentation``).
 
 Box actions take a Gaussian, unbounded: the env clips its samples, the buffer keeps them unclipped.
 """
@@ -18,7 +20,6 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, Distribution, Normal
 
-from visppo.augment import make_augmentation
 from visppo.config import ModelConfig
 from visppo.encoders import ObsEncoder, load_encoder_weights
 from visppo.value_norm import ValueNorm
@@ -57,6 +58,8 @@ class ActorCritic(nn.Module):
         elif isinstance(action_space, gym.spaces.Box):
             act_dim = int(np.prod(action_space.shape))
             # with a schedule (model.final_log_std) the optimizer leaves it alone: schedule_log_std sets it
+            self.log_std_schedule = (None if cfg.final_log_std is None
+                                     else (float(cfg.init_log_std), float(cfg.final_log_std)))
             self.log_std = nn.Parameter(torch.full((act_dim,), float(cfg.init_log_std)),
                                         requires_grad=cfg.final_log_std is None)
         else:
@@ -67,7 +70,6 @@ class ActorCritic(nn.Module):
         # model.norm_value: the value targets' running moments, which the update merges each rollout into
         self.value_norm = ValueNorm() if cfg.norm_value else None
         self.encoder_name = cfg.encoder
-        self.augment = make_augmentation(cfg.augment, cfg.shift_pad, cfg.rotate_degrees)  # last: it draws its seed
 
     def encoders(self) -> list[ObsEncoder]:
         return [self.encoder] + ([self.critic_encoder] if self.critic_encoder is not None else [])
@@ -95,6 +97,20 @@ class ActorCritic(nn.Module):
         with torch.autocast(hidden.device.type, enabled=False):
             out = self.critic[-1](hidden.float()).squeeze(-1)
             return self.value_norm.denormalize(out) if self.value_norm is not None else out
+
+    @torch.no_grad()
+    def schedule_log_std(self, iteration: int, num_iterations: int) -> None:
+        """``model.final_log_std``: set the Gaussian's log-std for ``iteration`` (1-based), linear
+        from ``model.init_log_std`` at the first towards the final value (reached where the
+        learning rate reaches 0); without a schedule (or for discrete actions) nothing.
+
+        A learned std stays wide when nothing in the loss narrows it (no entropy bonus pushes it
+        either way): the policy learned is then the noisy one, and its mean alone, the
+        deterministic policy, may do worse. A schedule makes the mean carry the task by the end."""
+        if self.discrete or self.log_std_schedule is None:
+            return
+        init, final = self.log_std_schedule
+        self.log_std.fill_(init + (final - init) * (iteration - 1) / num_iterations)
 
     def value_scale(self) -> torch.Tensor | float:
         """What the value loss divides value errors by: with norm_value the targets' running std

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from visppo import distributed
+from visppo.augment import Augmentation
 from visppo.buffer import (
     RolloutBuffer,
     compute_gae,
@@ -216,6 +217,9 @@ class UpdateSetup:
     generator: torch.Generator = field(default_factory=torch.Generator)
     before_step: Callable[[torch.optim.Optimizer], None] | None = None
     across_ranks: bool = False
+    augment: Augmentation | None = None
+    """``model.augment``'s module (``builders.build_augmentation``), drawn from when ``ppo.drac_coef``
+    or ``ppo.augment_loss`` asks for augmented frames."""
 
 
 @dataclass
@@ -267,7 +271,7 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
 
     cfg, precision, n = setup.ppo, setup.precision, len(mb)
     value_scale = policy.value_scale()
-    augment = policy.augment if (cfg.drac_coef or cfg.augment_loss) else None
+    augment = setup.augment if (cfg.drac_coef or cfg.augment_loss) else None
     if augment is not None:
         draws, rng_after = augment.draw_ahead(n)
     sums: dict[str, torch.Tensor] = {}
@@ -314,7 +318,7 @@ def reduced_minibatch_gradient(policy: ActorCritic, optimizer: torch.optim.Optim
     """The minibatch's gradient in ``.grad`` and its statistics, averaged over the ranks when
     ``setup.across_ranks``; backs off on out-of-memory (on every rank at once)."""
     params = [p for p in policy.parameters() if p.requires_grad]
-    names = STATS + (DRAC_STATS if setup.ppo.drac_coef and policy.augment is not None else ())
+    names = STATS + (DRAC_STATS if setup.ppo.drac_coef and setup.augment is not None else ())
 
     def attempt() -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)

@@ -26,9 +26,10 @@ from typing import Any
 
 import gymnasium as gym
 
-from visppo.config import Config, ConfigError, Stopped, build_config, read_config_file, to_dict
+from visppo.config import Config, build_config, read_config_file, to_dict
 from visppo.deploy import write_spec
 from visppo.envs import register_code_env
+from visppo.errors import ConfigError, Stopped
 
 
 def train(config: str | os.PathLike | Mapping | Config | None = None, *,

@@ -28,13 +28,14 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from visppo import checkpoint as ckpt_io
 from visppo import extras
+from visppo.atomic import atomic_write_text
 from visppo.builders import build_policy
 from visppo.checkpoint import CheckpointError
-from visppo.config import Config, ConfigError, UserError, from_dict, load_config, to_dict
+from visppo.config import Config, load_config, to_dict
 from visppo.envs import FrameStack, check_env_id, make_env
-from visppo.evaluate import resolve_checkpoint
+from visppo.errors import UserError
+from visppo.evaluate import load_weights, read_trained, resolve_checkpoint, tensor_state
 from visppo.policy import ActorCritic
 
 SPEC_FILE = "policy.json"
@@ -219,19 +220,13 @@ def load_policy(path_or_run: str | Path) -> Policy:
 
 
 def load_checkpoint(path: Path) -> Policy:
-    """A checkpoint's policy (``torch.load(weights_only=True)``), its spec from the run's policy.json
-    or from an env made as its config says."""
-    ckpt = ckpt_io.load(path)
-    if not isinstance(ckpt.get("config"), dict):
-        raise CheckpointError(f"checkpoint {path} has no saved config: it was not written by visppo train")
-    try:
-        cfg = from_dict(ckpt["config"])
-    except ConfigError as exc:
-        raise CheckpointError(f"checkpoint {path} holds a config this visppo cannot use ({exc})") from None
+    """A checkpoint's policy, read as evaluation reads it (:func:`visppo.evaluate.read_trained`), its
+    spec from the run's policy.json or from an env made as its config says."""
+    ckpt, cfg, state = read_trained(path)
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
     spec_file = run_dir / SPEC_FILE if run_dir is not None else None
     spec = read_spec(spec_file) if spec_file is not None and spec_file.is_file() else spec_from_env(cfg)
-    network = build_network(cfg, spec, ckpt.get("model"), str(path))
+    network = build_network(cfg, spec, state, f"checkpoint {path}")
     step = ckpt.get("global_step")
     return Policy(network, spec, cfg, {"source": str(path), "run_dir": str(run_dir) if run_dir else None,
                                        "global_step": int(step) if step is not None else None})
@@ -276,24 +271,17 @@ def spec_from_env(cfg: Config) -> PolicySpec:
 
 def build_network(cfg: Config, spec: PolicySpec, state: Any, source: str) -> ActorCritic:
     """The config's network for ``spec`` on the CPU, filled with ``state`` (refused unless it fits)."""
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{source}: the weights are not a state dict of tensors")
     cfg.train.device = "cpu"
     cfg.rollout.device = "cpu"
+    state = tensor_state(state, f"{source}: the weights")
     obs_space, action_space = spec.spaces()
     network = build_policy(cfg, obs_space, action_space, torch.device("cpu"), load_weights=False)
-    state = ckpt_io.without_removed_tensors(state)
-    mismatch = ckpt_io.describe_mismatch(network.state_dict(), state, theirs="saved")
-    if mismatch:
-        raise CheckpointError(f"{source} holds weights of another network than its config and spec build "
-                              f"({mismatch}): use a policy written by this version of visppo")
-    network.load_state_dict(state)
-    return network.eval()
+    return load_weights(network, state, source)
 
 
 def write_spec(run_dir: Path, cfg: Config) -> Path:
     """Write ``run_dir/policy.json`` (the spec of the env ``cfg`` makes), so the run's policy loads
     without making its env, e.g. one built in code by ``visppo.train(env=...)``."""
     path = Path(run_dir) / SPEC_FILE
-    ckpt_io.atomic_write_text(path, json.dumps(spec_from_env(cfg).to_json(cfg), indent=2) + "\n")
+    atomic_write_text(path, json.dumps(spec_from_env(cfg).to_json(cfg), indent=2) + "\n")
     return path

@@ -28,9 +28,10 @@ import torch
 from torch import nn
 
 from visppo import extras, seeding
-from visppo.checkpoint import atomic_write_text
-from visppo.config import ConfigError, to_yaml
+from visppo.atomic import atomic_write_text
+from visppo.config import to_yaml
 from visppo.deploy import CONFIG_FILE, SPEC_FILE, WEIGHTS_FILE, Policy, load_policy
+from visppo.errors import ConfigError
 
 FORMATS = ("folder", "onnx", "torchscript")
 NEEDS = {"folder": ("safetensors",), "onnx": ("onnx", "onnxscript"), "torchscript": ()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from visppo.config import ConfigError
+from visppo.errors import ConfigError
 
 EXTRAS = {
     "deploy": ("onnx", "onnxscript", "onnxruntime", "safetensors"),
@@ -37,4 +37,4 @@ def require(extra: str, modules: tuple[str, ...] | list[str], what: str) -> None
     absent = missing(modules)
     if absent:
         raise ConfigError(f"{what} needs the {extra} extra ({', '.join(absent)} not installed): "
-                          f"pip install 'visppo[{extra}]' (in a checkout: pip install -e '.[{extra}]')")
+                          f'pip install -e ".[{extra}]" in the visppo checkout')

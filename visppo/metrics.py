@@ -14,7 +14,9 @@ import torch
 from tqdm import tqdm
 
 from visppo import extras
-from visppo.config import Config, ConfigError, RunError, to_dict
+from visppo.atomic import atomic_write_text
+from visppo.config import Config, to_dict
+from visppo.errors import ConfigError, RunError
 
 
 class PhaseTimer:
@@ -168,7 +170,7 @@ class WandbTracker:
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             raise RunError(f"W&B could not start a run in {run_dir} ({type(exc).__name__}: {first}): log in with "
                            "`wandb login` or set WANDB_MODE=offline (or WANDB_MODE=disabled)") from None
-        id_file.write_text(run_id + "\n")
+        atomic_write_text(id_file, run_id + "\n")
         self.run.define_metric("global_step")
         self.run.define_metric("*", step_metric="global_step")
 

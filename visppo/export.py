@@ -74,7 +74,8 @@ def export(source: str | Path, out: str | Path, fmt: str = "folder") -> Path:
         raise ConfigError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
     extras.require("deploy", NEEDS[fmt], f"visppo export --format {fmt}")
     out = check_out(Path(out))
-    policy = load_policy(source)
+    policy = load_policy(source)  # a bad source is refused before anything is created
+    make_parent(out)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
         files = write_folder(policy, tmp) if fmt == "folder" else write_network(policy, tmp, fmt)
@@ -99,19 +100,26 @@ def dir_mode() -> int:
 
 
 def check_out(out: Path) -> Path:
-    """``--out`` must be a new folder, or an empty one, in a writable directory."""
+    """``--out`` must be a new folder, or an empty one, under a writable directory (checked, not created)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file: give a folder to create")
     if out.is_dir() and any(out.iterdir()):
         raise ConfigError(f"--out {out} is a folder that is not empty: give a new folder (nothing is overwritten)")
+    existing = out.absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: {existing} is not a writable folder")
+    return out
+
+
+def make_parent(out: Path) -> None:
+    """Create ``--out``'s parent folders (once the policy has loaded)."""
     parent = out.absolute().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--out {out}: cannot create {parent} ({exc.strerror or exc})") from None
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {out}: {parent} is not writable")
-    return out
 
 
 def example_inputs(policy: Policy) -> tuple[torch.Tensor, ...]:

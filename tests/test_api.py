@@ -1,9 +1,5 @@
-"""visppo.train(...) and visppo.load_policy(...): the Python API, and envs built in code.
-
-The parity tests record an episode as the env gives it (the raw frames, before visppo's wrappers)
-while ``visppo eval``'s code path (``visppo.evaluate.evaluate``) plays it, then feed those frames
-to ``Policy.act``: the actions must be the ones evaluation took.
-"""
+"""visppo.train(...): the Python API (a config from a path, a dict or the defaults, keyword
+overrides), and envs built in code (``env=``), whose runs load with visppo.load_policy anywhere."""
 
 from __future__ import annotations
 
@@ -16,121 +12,31 @@ import threading
 import gymnasium as gym
 import numpy as np
 import pytest
-import yaml
-from conftest import REPO, tiny_overrides
+from conftest import REPO, act_on, evaluate_recorded, tiny_kwargs
 
 import visppo
 import visppo.evaluate as evaluate_module
 from visppo import envs
 from visppo.api import make_config, nested_overrides
-from visppo.config import ConfigError, load_config
+from visppo.config import load_config
+from visppo.errors import ConfigError
 from visppo_envs.dot import DotReachEnv
-
-
-def tiny_kwargs(tmp_path, **extra) -> dict:
-    """conftest's tiny run as visppo.train keyword arguments (section__key=value, Python values)."""
-    items = (item.split("=", 1) for item in tiny_overrides(tmp_path))
-    kwargs = {key.replace(".", "__"): yaml.safe_load(value) for key, value in items}
-    kwargs.update(extra)
-    return kwargs
-
-
-class Recorder(gym.Wrapper):
-    """Below visppo's wrappers: the raw observations the env gives and the actions it is given."""
-
-    def __init__(self, env):
-        super().__init__(env)
-        self.episodes: list[dict] = []
-
-    def reset(self, **kwargs):
-        obs, info = self.env.reset(**kwargs)
-        self.episodes.append({"obs": [obs], "actions": []})
-        return obs, info
-
-    def step(self, action):
-        obs, reward, terminated, truncated, info = self.env.step(action)
-        self.episodes[-1]["actions"].append(np.array(action, copy=True))
-        self.episodes[-1]["obs"].append(obs)
-        return obs, reward, terminated, truncated, info
-
-
-def evaluate_recorded(monkeypatch, run_dir, episodes=2) -> list[dict]:
-    """``visppo eval RUN --deterministic``'s episodes, with what the env saw and did."""
-    recorders: list[Recorder] = []
-    make_env = evaluate_module.make_env
-
-    def recorded(cfg, stream=0):
-        env = make_env(cfg, stream)
-        inner = env
-        while not isinstance(inner, envs.PixelDict):
-            inner = inner.env
-        inner.env = Recorder(inner.env)
-        recorders.append(inner.env)
-        return env
-
-    with monkeypatch.context() as patch:
-        patch.setattr(evaluate_module, "make_env", recorded)
-        result = evaluate_module.evaluate(run_dir, episodes=episodes, deterministic=True)
-    played = [r for r in recorders if r.episodes]  # loading the policy made an env too, for its spaces
-    assert result["episodes"] == episodes and len(played) == 1
-    assert [len(e["actions"]) for e in played[0].episodes] == result["lengths"]
-    return played[0].episodes
-
-
-def act_on(policy, episodes) -> float:
-    """Feed each recorded episode to ``Policy.act``; the largest difference from evaluation's actions."""
-    worst = 0.0
-    for episode in episodes:
-        policy.reset()
-        for obs, taken in zip(episode["obs"], episode["actions"], strict=False):
-            action = policy.act(obs)
-            assert np.shape(action) == np.shape(taken)
-            worst = max(worst, float(np.max(np.abs(np.asarray(action, np.float64) - taken))))
-    return worst
-
-
-@pytest.fixture(scope="module")
-def dot_run(tmp_path_factory):
-    """visppo.train on DotReach from the defaults with keyword overrides: 2 stacked frames."""
-    tmp = tmp_path_factory.mktemp("api")
-    return visppo.train(None, **tiny_kwargs(tmp, env__frame_stack=2))
-
-
-def test_train_returns_the_run_directory_and_policy_act_matches_evaluation(dot_run, monkeypatch):
-    assert (dot_run / "checkpoints" / "latest.pt").is_file()
-    assert load_config(dot_run / "config.yaml").env.frame_stack == 2
-    episodes = evaluate_recorded(monkeypatch, dot_run)
-    assert all(e["obs"][0].shape == (48, 48, 3) and e["obs"][0].dtype == np.uint8 for e in episodes)
-    assert sum(len(e["actions"]) for e in episodes) == 100  # two whole episodes of 50 steps
-    policy = visppo.load_policy(dot_run)
-    assert act_on(policy, episodes) == 0.0  # the same arrays through the same network: bit for bit
-
-
-def test_act_without_reset_between_episodes_differs_only_by_the_stack(dot_run, monkeypatch):
-    """reset() is what makes the next frame fill the stack (as the env wrapper does at reset)."""
-    episodes = evaluate_recorded(monkeypatch, dot_run)
-    policy = visppo.load_policy(dot_run)
-    policy.reset()
-    for obs in episodes[0]["obs"][:-1]:
-        policy.act(obs)
-    stale = policy.act(episodes[1]["obs"][0])  # no reset: the old episode's last frame is in the stack
-    policy.reset()
-    assert np.allclose(policy.act(episodes[1]["obs"][0]), episodes[1]["actions"][0], atol=0)
-    assert stale.shape == episodes[1]["actions"][0].shape
 
 
 def test_a_code_env_that_renders_at_its_own_size_with_state(tmp_path, monkeypatch):
     """env= a callable: frames of 64x64 resized to env.image_size=48 and a state vector, in training,
     evaluation and Policy.act alike; policy.json lets the run load where the callable is unknown."""
     factory = functools.partial(DotReachEnv, image_size=64, obs_mode="pixels_state")
-    kwargs = tiny_kwargs(tmp_path, env__state=True)
+    kwargs = tiny_kwargs(tmp_path, env__state=True, env__max_episode_steps=50,  # the class has no time limit
+                         ppo__total_steps=64, ppo__num_epochs=1)
     del kwargs["env__id"]  # env= gives the env
     run_dir = visppo.train(None, env=factory, **kwargs)
+    assert run_dir == tmp_path / "run" and (run_dir / "checkpoints" / "latest.pt").is_file()
     cfg = load_config(run_dir / "config.yaml")
     assert cfg.env.id.startswith("code/DotReachEnv-v") and cfg.env.state
     spec = json.loads((run_dir / "policy.json").read_text())
     assert spec["image_size"] == 48 and spec["state_dim"] == 4 and spec["inputs"]["pixels"]["shape"][1:] == [3, 48, 48]
-    episodes = evaluate_recorded(monkeypatch, run_dir, episodes=1)
+    episodes, _ = evaluate_recorded(monkeypatch, run_dir, episodes=1)
     first = episodes[0]["obs"][0]
     assert first["pixels"].shape == (64, 64, 3) and first["state"].shape == (4,)
     assert act_on(visppo.load_policy(run_dir), episodes) == 0.0
@@ -213,7 +119,7 @@ def test_config_from_a_path_a_dict_or_the_defaults_with_keyword_overrides():
     cfg = make_config(REPO / "configs" / "dot_reach.yaml", {"ppo__total_steps": 4096, "env__kwargs__speed": 0.2})
     assert (cfg.env.id, cfg.ppo.total_steps, cfg.env.kwargs, cfg.model.encoder) == \
         ("visppo/DotReach-v0", 4096, {"speed": 0.2}, "nature")
-    cfg = make_config({"ppo": {"num_envs": 2}, "run": {"dir": "123"}}, {"ppo__num_steps": 16})
+    cfg = make_config({"ppo": {"num_envs": 2, "minibatch_size": 32}, "run": {"dir": "123"}}, {"ppo__num_steps": 16})
     assert (cfg.ppo.num_envs, cfg.ppo.num_steps, cfg.run.dir) == (2, 16, "123")  # values stay Python values
     assert make_config(None, {}).env.id == "visppo/Reach-v0"
     assert make_config(cfg, {"ppo__num_envs": 4}).ppo.num_envs == 4

@@ -8,9 +8,10 @@ values, not strings to parse. They go over the config, which goes over the defau
 ``env`` is a callable that returns a gymnasium env (a class, a function, a ``functools.partial``);
 visppo calls it in place of ``gymnasium.make`` for every env copy, training's and
 evaluation's, and wraps what it returns as it wraps any env (frame stack, action repeat,
-seeded episodes). Its image observations are used as they are (uint8 HxWxC, or a dict with
-``"pixels"`` and ``"state"``); an env that observes no images is rendered (it must be built
-with ``render_mode="rgb_array"``). The run's ``env.id`` is then ``code/<name>-v<n>``, a name
+seeded episodes; ``env__max_episode_steps=N`` adds a time limit, which an env whose episodes
+never end by themselves needs, or its evaluation episodes never end). Its image observations
+are used as they are (uint8 HxWxC, or a dict with ``"pixels"`` and ``"state"``); an env that
+observes no images is rendered (it must be built with ``render_mode="rgb_array"``). The run's ``env.id`` is then ``code/<name>-v<n>``, a name
 this process alone knows, so the run directory also gets ``policy.json`` (what the policy
 reads and how it acts), with which :func:`visppo.load_policy` loads its policy anywhere.
 Worker processes (``env.vector``) get the callable only if it pickles; otherwise the envs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -160,7 +161,7 @@ class WandbTracker:
         self.wandb = wandb
         id_file = run_dir / self.ID_FILE
         run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
-        run_id = run_id or wandb.util.generate_id()
+        run_id = run_id or uuid.uuid4().hex[:8]  # W&B's own ids: 8 lowercase letters and digits
         r = cfg.run
         try:
             self.run = wandb.init(project=r.wandb_project or None, entity=r.wandb_entity or None,

@@ -8,9 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  before any test makes a GL context (see envs.preload_before_gl)
+import yaml
 
 import visppo_envs  # noqa: F401  selects EGL before a test module's own `import mujoco` (one file run alone)
 from visppo.config import load_config
@@ -109,3 +111,74 @@ def train_short(config: str | None, steps: int, tmp_path: Path, overrides: tuple
     with (run_dir / "metrics.csv").open() as f:
         returns = [float(row["episode_return"]) for row in csv.DictReader(f)]
     return [r for r in returns if math.isfinite(r)]
+
+
+class Recorder:
+    """Wraps a gymnasium env in place (``env.env``): what it gives and what it is given, per episode."""
+
+    def __init__(self, env):
+        self.env, self.episodes = env, []
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        self.episodes.append({"obs": [obs], "actions": []})
+        return obs, info
+
+    def step(self, action):
+        out = self.env.step(action)
+        self.episodes[-1]["actions"].append(np.array(action, copy=True))
+        self.episodes[-1]["obs"].append(out[0])
+        return out
+
+
+def evaluate_recorded(monkeypatch, run_dir, episodes: int = 2) -> tuple[list[dict], list[dict]]:
+    """``visppo eval RUN --deterministic``'s code path, recorded: per episode, the raw observations
+    the env gave (below visppo's wrappers: frames as a camera gives them) and the packed ones the
+    policy read (stacked CHW frames), with the actions evaluation took."""
+    import visppo.evaluate as evaluate_module
+    from visppo.envs import PixelDict
+
+    raw, packed = [], []
+    make_env = evaluate_module.make_env
+
+    def recorded(cfg, stream=0):
+        env = make_env(cfg, stream)
+        inner = env
+        while not isinstance(inner, PixelDict):
+            inner = inner.env
+        inner.env = Recorder(inner.env)
+        raw.append(inner.env)
+        env.env = Recorder(env.env)  # below SeededEpisodes, above PixelDict
+        packed.append(env.env)
+        return env
+
+    with monkeypatch.context() as patch:
+        patch.setattr(evaluate_module, "make_env", recorded)
+        result = evaluate_module.evaluate(run_dir, episodes=episodes, deterministic=True)
+    played = [i for i, r in enumerate(raw) if r.episodes]  # loading the policy made an env too, for its spaces
+    assert result["episodes"] == episodes and len(played) == 1
+    assert [len(e["actions"]) for e in raw[played[0]].episodes] == result["lengths"]
+    return raw[played[0]].episodes, packed[played[0]].episodes
+
+
+def tiny_kwargs(tmp_path, **extra) -> dict:
+    """conftest's tiny run as visppo.train keyword arguments (section__key=value, Python values)."""
+    items = (item.split("=", 1) for item in tiny_overrides(tmp_path))
+    kwargs = {key.replace(".", "__"): yaml.safe_load(value) for key, value in items}
+    kwargs.update(extra)
+    return kwargs
+
+
+def act_on(policy, episodes: list[dict]) -> float:
+    """Feed each recorded episode to ``Policy.act``; the largest difference from evaluation's actions."""
+    worst = 0.0
+    for episode in episodes:
+        policy.reset()
+        for obs, taken in zip(episode["obs"], episode["actions"], strict=False):
+            action = policy.act(obs)
+            assert np.shape(action) == np.shape(taken)
+            worst = max(worst, float(np.max(np.abs(np.asarray(action, np.float64) - taken))))
+    return worst

@@ -12,15 +12,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "visppo"
 
 LAYERS = [
     {"errors", "atomic"},  # leaves: nothing of visppo
-    {"config", "memory", "metrics", "augment", "buffer", "seeding"},  # leaves: nothing of visppo but config
+    {"config", "memory", "metrics", "augment", "buffer", "seeding", "extras"},  # leaves: nothing of visppo but config
     {"precision", "distributed", "envs", "checkpoint", "video", "value_norm"},
     {"encoders"},
     {"policy"},
     {"builders", "rollout"},
     {"ppo"},
     {"evaluate", "probe", "bench", "plot", "health"},
-    {"train"},
-    {"cli", "__main__", "__init__"},
+    {"train", "deploy", "export"},
+    {"cli", "__main__", "__init__", "api"},
 ]
 """Bottom to top, as in the README's architecture section: a module imports only from lower
 layers (or its own layer's leaves below it, checked as a graph without cycles)."""

@@ -247,3 +247,17 @@ def test_a_custom_module_that_does_not_register_the_id_is_named(tmp_path, monkey
         check_env_id("my_broken_env:Arm-v0")
     with pytest.raises(ConfigError, match="must look like module:EnvId"):
         check_env_id(":Arm-v0")
+
+
+def test_frame_stack_fills_pushes_resizes_and_keeps_the_state():
+    """FrameStack packs what PixelDict gives the policy, and what deploy.Policy packs a camera's frames with."""
+    stack = envs_module.FrameStack(3, keep_state=True, image_size=4)
+    frames = [np.full((8, 8, 3), v, np.uint8) for v in (10, 20, 30, 40)]
+    first = stack.first({"pixels": frames[0], "state": [1, 2]})
+    assert first["pixels"].shape == (9, 4, 4) and first["state"].dtype == np.float32
+    assert list(first["pixels"][::3, 0, 0]) == [10, 10, 10]  # the first frame fills the stack
+    for frame in frames[1:]:
+        out = stack.next({"pixels": frame, "state": [3, 4]})
+    assert list(out["pixels"][::3, 0, 0]) == [20, 30, 40]  # oldest first
+    plain = envs_module.FrameStack(1, keep_state=False)
+    assert set(plain.first(frames[0])) == {"pixels"} and plain.first(frames[0])["pixels"].shape == (3, 8, 8)

@@ -1,13 +1,17 @@
-"""Phase timers and the one-iteration profiler trace."""
+"""Phase timers, the one-iteration profiler trace, and the Weights & Biases tracker."""
 
 from __future__ import annotations
 
+import csv
 import gzip
 import json
+import struct
+import sys
 import time
 
 import pytest
 import torch
+from conftest import one_error_line, run_main, tiny_overrides
 
 from visppo.metrics import PhaseTimer, iteration_profiler
 
@@ -63,3 +67,68 @@ def test_profiler_records_the_third_iteration_with_its_phases(tmp_path):
     names = {e.get("name") for e in trace["traceEvents"]}
     assert "collect" in names and "update_3" in names
     assert not names & {"update_1", "update_2", "update_4"}  # skipped, warm-up, after
+
+
+def wandb_records(run_file):
+    """The records of a W&B run file (``run-ID.wandb``, the log ``wandb sync`` uploads): a header,
+    then 32 KiB blocks of chunks (crc32, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, pending = run_file.read_bytes(), 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def test_wandb_offline_run_holds_every_csv_metric_the_config_and_the_videos(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason='the wandb extra (pip install -e ".[wandb]")')
+    from visppo.config import load_config, to_dict
+    from visppo.train import train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"run.wandb": True, "run.wandb_project": "tests",
+                                                         "run.eval_every": 2, "run.eval_episodes": 1,
+                                                         "ppo.num_epochs": 1}))
+    run_dir = train(cfg)
+    (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    history, config = [], {}
+    for record in wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+        elif kind in ("run", "config"):
+            updates = record.run.config.update if kind == "run" else record.config.update
+            config.update({u.key: json.loads(u.value_json) for u in updates})
+    with (run_dir / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    logged = {int(h["global_step"]): h for h in history if "iteration" in h}  # the metrics rows
+    assert [int(r["global_step"]) for r in rows] == sorted(logged) == [64, 128]
+    for row in rows:
+        for key, value in row.items():
+            got = logged[int(row["global_step"])][key]
+            assert got == pytest.approx(float(value), rel=1e-6, nan_ok=True) or value == "", key
+    assert config["ppo"]["total_steps"] == 128 and config["run"]["wandb"] is True
+    config.pop("_wandb", None)  # W&B's own entry
+    assert config == json.loads(json.dumps(to_dict(cfg)))  # the resolved config, every key
+    videos = [h for h in history if h.get("eval/video/_type") == "video-file"]  # nested keys joined by /
+    assert len(videos) == 1 and int(videos[0]["global_step"]) == 128
+    assert list(run_file.parent.glob("files/media/videos/eval/*.mp4")) and (run_dir / "wandb_id").is_file()
+
+
+def test_without_wandb_one_error_line_names_the_extra_and_nothing_is_written(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed
+    code, err = run_main(capsys, "train", *tiny_overrides(tmp_path, **{"run.wandb": True}))
+    assert code == 2
+    one_error_line(err, "run.wandb=true", 'pip install -e ".[wandb]"')
+    assert not (tmp_path / "run").exists()

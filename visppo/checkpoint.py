@@ -24,11 +24,7 @@ import numpy as np
 import torch
 
 from visppo import distributed
-from visppo.atomic import (
-    atomic_write,
-    atomic_write_text,  # noqa: F401  (for visppo.deploy / visppo.export until they import visppo.atomic)
-    file_mode,
-)
+from visppo.atomic import atomic_write, file_mode
 from visppo.config import Config, build_config, to_dict
 from visppo.errors import ConfigError, UserError
 from visppo.value_norm import renamed_old_keys

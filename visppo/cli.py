@@ -1,4 +1,4 @@
-"""``visppo train | eval | plot | probe | bench | config``: argument parsing and error reporting, nothing else.
+"""``visppo train | eval | export | plot | probe | bench | config``: argument parsing and error reporting, nothing else.
 
 Bad input never shows a traceback: it prints one ``error:`` line that says what
 to change and exits with code 2. Under ``torchrun`` every process parses the same
@@ -88,6 +88,15 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(ns: argparse.Namespace) -> int:
+    """A run's policy as a folder (safetensors, config, model card), ONNX or TorchScript."""
+    from visppo.export import export
+
+    out = export(ns.run, ns.out, ns.format)
+    print(f"visppo: wrote {out} ({ns.format})")
+    return 0
+
+
 def cmd_plot(ns: argparse.Namespace) -> int:
     """Learning curves of one or more runs, overlaid."""
     from visppo.plot import plot_runs
@@ -173,6 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="evaluation stream: its episodes' seeds are drawn from it and never "
                    "meet a training episode's (0)")
     p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("export", help="export a policy: visppo export RUN_DIR_OR_CKPT --out DIR "
+                       "[--format folder|onnx|torchscript]")
+    p.add_argument("run", metavar="RUN_DIR_OR_CKPT")
+    p.add_argument("--format", default="folder", choices=["folder", "onnx", "torchscript"],
+                   help="folder: model.safetensors, config.yaml, policy.json, README.md (the Hugging Face "
+                        "Hub's layout; the default); onnx / torchscript: one network, stacked uint8 frames in, "
+                        "action out, and policy.json")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to create (new or empty)")
+    p.set_defaults(func=cmd_export)
     p = sub.add_parser("plot", help="learning curves: visppo plot RUN_DIR... [--out FILE]")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR")
     p.add_argument("--out", default="curves.png", help="output image (curves.png)")

@@ -208,6 +208,14 @@ class RunConfig:
     """Show a progress bar."""
     tensorboard: bool = True
     """Write TensorBoard events in the run directory."""
+    wandb: bool = False
+    """Also log to Weights & Biases (the wandb extra): every metric the CSV gets, the config and the evaluation videos; WANDB_MODE=offline keeps the run on disk."""
+    wandb_project: str = "visppo"
+    """W&B project of the run."""
+    wandb_entity: str = ""
+    """W&B entity (user or team); empty: your default entity."""
+    wandb_name: str = ""
+    """W&B run name; empty: the run directory's name."""
 
 
 @dataclass

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,6 +31,9 @@ from visppo_envs._gl import ensure_headless_gl
 SYNTHETIC_PREFIX = "visppo/Dot"
 DMC_PREFIXES = ("dmc:", "dmc/")
 """``dmc:<domain>-<task>`` (alias) and ``dmc/<domain>-<task>-v0`` (registered): ``visppo_envs.dmc``."""
+CODE_PREFIX = "code/"
+"""Ids of envs built in code (``visppo.train(env=...)``): ``code/<name>-v<n>``, known to one process."""
+_CODE_ENVS: dict[str, Callable[..., gym.Env]] = {}
 
 
 class ActionRepeat(gym.Wrapper):
@@ -49,6 +53,57 @@ class ActionRepeat(gym.Wrapper):
         return obs, total, terminated, truncated, info
 
 
+def chw_frame(pixels: np.ndarray, image_size: int | None) -> np.ndarray:
+    """One HxWxC uint8 frame -> CxHxW, resized bilinearly (PIL) to ``image_size`` square first
+    when it has another size (envs that render at their own size, a robot's camera)."""
+    if image_size and pixels.shape[:2] != (image_size, image_size):
+        from PIL import Image
+
+        pixels = np.asarray(Image.fromarray(pixels).resize((image_size, image_size), Image.BILINEAR))
+    return np.ascontiguousarray(np.transpose(pixels, (2, 0, 1)))
+
+
+class FrameStack:
+    """What the policy sees of an episode: its last ``k`` frames (CHW) stacked along channels, oldest
+    first, the first frame repeated ``k`` times, and the state vector as float32 with ``keep_state``.
+
+    :class:`PixelDict` packs the env's observations with it in training and evaluation, and
+    :class:`visppo.deploy.Policy` packs a camera's frames with it, so both see the same arrays.
+    """
+
+    def __init__(self, k: int, keep_state: bool, image_size: int | None = None):
+        self.k, self.keep_state, self.image_size = k, keep_state, image_size
+        self.frames: deque[np.ndarray] = deque(maxlen=k)
+
+    def first(self, obs) -> dict[str, np.ndarray]:
+        """An episode's first observation: the stack is filled with its frame."""
+        self.frames.clear()
+        frame = self._frame(obs)
+        for _ in range(self.k):
+            self.frames.append(frame)
+        return self._pack(obs)
+
+    def next(self, obs) -> dict[str, np.ndarray]:
+        """A later observation of the episode: its frame pushes out the oldest."""
+        self.frames.append(self._frame(obs))
+        return self._pack(obs)
+
+    def _frame(self, obs) -> np.ndarray:
+        return chw_frame(obs["pixels"] if isinstance(obs, dict) else obs, self.image_size)
+
+    def _pack(self, obs) -> dict[str, np.ndarray]:
+        out = {"pixels": np.concatenate(self.frames, axis=0)}
+        if self.keep_state:
+            out["state"] = np.asarray(obs["state"], dtype=np.float32).reshape(-1)
+        return out
+
+
+def is_image_space(space: gym.Space) -> bool:
+    """An image (uint8 HxWxC Box), or a dict holding one under "pixels"."""
+    pix = space["pixels"] if isinstance(space, gym.spaces.Dict) and "pixels" in space.spaces else space
+    return isinstance(pix, gym.spaces.Box) and pix.dtype == np.uint8 and len(pix.shape) == 3
+
+
 class PixelDict(gym.ObservationWrapper):
     """Image (HWC uint8) or dict {"pixels", "state"} -> {"pixels": CHW stacked k frames, "state"}."""
 
@@ -56,7 +111,7 @@ class PixelDict(gym.ObservationWrapper):
         super().__init__(env)
         space = env.observation_space
         pix = space["pixels"] if isinstance(space, gym.spaces.Dict) else space
-        if not (isinstance(pix, gym.spaces.Box) and pix.dtype == np.uint8 and len(pix.shape) == 3):
+        if not is_image_space(space):
             raise ConfigError(
                 f"env observation {space} is not an image (uint8 HxWxC): set env.pixels=true to "
                 "render frames, or pick an env with image observations")
@@ -73,33 +128,14 @@ class PixelDict(gym.ObservationWrapper):
             st = space["state"]
             spaces["state"] = gym.spaces.Box(-np.inf, np.inf, (int(np.prod(st.shape)),), np.float32)
         self.observation_space = gym.spaces.Dict(spaces)
-        self.frames: deque[np.ndarray] = deque(maxlen=self.k)
+        self.stack = FrameStack(self.k, keep_state, self.resize)
 
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
-        self.frames.clear()
-        frame = self._frame(obs)
-        for _ in range(self.k):
-            self.frames.append(frame)
-        return self._pack(obs), info
+        return self.stack.first(obs), info
 
     def observation(self, obs):
-        self.frames.append(self._frame(obs))
-        return self._pack(obs)
-
-    def _frame(self, obs) -> np.ndarray:
-        pix = obs["pixels"] if isinstance(obs, dict) else obs
-        if self.resize:
-            from PIL import Image
-
-            pix = np.asarray(Image.fromarray(pix).resize((self.resize, self.resize), Image.BILINEAR))
-        return np.ascontiguousarray(np.transpose(pix, (2, 0, 1)))
-
-    def _pack(self, obs) -> dict[str, np.ndarray]:
-        out = {"pixels": np.concatenate(self.frames, axis=0)}
-        if self.keep_state:
-            out["state"] = np.asarray(obs["state"], dtype=np.float32).reshape(-1)
-        return out
+        return self.stack.next(obs)
 
 
 class SeededEpisodes(gym.Wrapper):
@@ -153,6 +189,12 @@ def resolve_env_id(env_id: str) -> str:
     """
     import visppo_envs  # noqa: F401  registers visppo/* ids
 
+    if env_id.startswith(CODE_PREFIX):
+        if env_id not in _CODE_ENVS:
+            raise ConfigError(f"env.id {env_id} is an env built in code by visppo.train(env=...) in another "
+                              "process: pass the same callable again (visppo.train(env=...)), or use a "
+                              "registered gymnasium id")
+        return env_id
     if _is_dmc(env_id):
         return _resolve_dmc(env_id)
     if ":" in env_id:
@@ -222,7 +264,9 @@ def _make_env(cfg: Config, stream: int) -> gym.Env:
         return SeededEpisodes(PixelDict(env, e.frame_stack, e.state, e.image_size), stream)
     if e.max_episode_steps:
         kwargs["max_episode_steps"] = e.max_episode_steps
-    if _is_visppo_task(env_id):
+    if env_id.startswith(CODE_PREFIX):
+        env = _make_code_env(cfg, env_id, kwargs)
+    elif _is_visppo_task(env_id):
         if e.camera not in ("", "policy"):
             raise ConfigError(f"env.camera={e.camera}: visppo's tasks see through their fixed camera 'policy' "
                               "(it frames the workspace); remove env.camera")
@@ -237,6 +281,58 @@ def _make_env(cfg: Config, stream: int) -> gym.Env:
     if e.action_repeat > 1:
         env = ActionRepeat(env, e.action_repeat)
     return SeededEpisodes(PixelDict(env, e.frame_stack, e.state, e.image_size), stream)
+
+
+def register_code_env(factory: Callable[..., gym.Env], env_id: str | None = None) -> str:
+    """Give ``factory`` (a callable that returns a gymnasium env, e.g. a class or a function) an id
+    that :func:`make_env` builds by calling it, in place of ``gymnasium.make``; the same factory
+    keeps its id. ``env_id``: the id it had in the parent (a worker process registers it again)."""
+    for known, registered in _CODE_ENVS.items():
+        if registered is factory and env_id in (None, known):
+            return known
+    if env_id is None:
+        named = getattr(factory, "func", factory)  # functools.partial
+        name = getattr(named, "__name__", None) or type(named).__name__
+        name = re.sub(r"[^A-Za-z0-9_.]+", "_", name).strip("_") or "env"
+        version = sum(1 for known in _CODE_ENVS if known.rsplit("-v", 1)[0] == f"{CODE_PREFIX}{name}")
+        env_id = f"{CODE_PREFIX}{name}-v{version}"
+    _CODE_ENVS[env_id] = factory
+    return env_id
+
+
+def code_env_pickles(env_id: str) -> bool:
+    """Whether the env of ``env_id`` can be built in a worker process: a registered id, or a code env
+    whose factory survives pickling (cloudpickle, as gymnasium's async vector env sends it)."""
+    factory = _CODE_ENVS.get(env_id)
+    if factory is None:
+        return True
+    import cloudpickle
+
+    try:
+        cloudpickle.loads(cloudpickle.dumps(factory))
+    except Exception:
+        return False
+    return True
+
+
+def _make_code_env(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
+    """An env built in code: ``factory(**env.kwargs)`` under a TimeLimit of ``env.max_episode_steps``;
+    its image observations as they are, else (with env.pixels) its rendered frames."""
+    steps = kwargs.pop("max_episode_steps", 0)
+    env = _CODE_ENVS[env_id](**kwargs)
+    if not isinstance(env, gym.Env):
+        raise ConfigError(f"env= for {env_id} returned a {type(env).__name__}, not a gymnasium env: give a "
+                          "callable that returns one (e.g. the env's class)")
+    if steps:
+        env = gym.wrappers.TimeLimit(env, steps)
+    if is_image_space(env.observation_space) or not cfg.env.pixels:
+        return env  # PixelDict refuses observations that are not images
+    if env.render_mode != "rgb_array":
+        env.close()
+        raise ConfigError(f"the env of {env_id} observes no images and does not render frames (render_mode "
+                          f"{env.render_mode!r}): build it with render_mode='rgb_array', or give image observations")
+    return gym.wrappers.AddRenderObservation(env, render_only=not cfg.env.state,
+                                             render_key="pixels", obs_key="state")
 
 
 def _make_dmc(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
@@ -337,6 +433,9 @@ def set_render_samples(env: gym.Env, samples: int, env_id: str) -> None:
 
 def check_env_id(env_id: str) -> None:
     """Refuse an unknown id early, before any worker starts."""
+    if env_id.startswith(CODE_PREFIX):
+        resolve_env_id(env_id)
+        return
     name = resolve_env_id(env_id).split(":", 1)[-1]  # module:EnvId -> EnvId
     if name not in gym.registry:
         raise ConfigError(f"env.id '{env_id}' is not a registered gymnasium id: check the spelling, "
@@ -357,17 +456,27 @@ def use_async(cfg: Config) -> bool:
     On 2 CPUs the workers cannot render while the learner acts on a core of its
     own, and every step's round trip through their pipes costs more than their
     parallelism saves (measured: docs/performance.md).
+
+    An env built in code goes to workers only if its callable pickles; ``async`` refuses one that does not.
     """
     if cfg.env.vector == "auto":
         rendered = cfg.ppo.num_envs > 1 and not cfg.env.id.startswith(SYNTHETIC_PREFIX)
-        return rendered and usable_cpus() > 2
+        return rendered and usable_cpus() > 2 and code_env_pickles(cfg.env.id)
+    if cfg.env.vector == "async" and not code_env_pickles(cfg.env.id):
+        raise ConfigError(f"env.vector=async sends the env to worker processes, and the callable behind "
+                          f"{cfg.env.id} cannot be pickled: use env.vector=sync (or auto), or a module-level "
+                          "function or class")
     return cfg.env.vector == "async"
 
 
 def _thunk(cfg: Config):
+    factory = _CODE_ENVS.get(cfg.env.id)  # travels to a worker with the thunk
+
     def make() -> gym.Env:
         if multiprocessing.parent_process() is not None:
             ignore_stop_signals()
+            if factory is not None:
+                register_code_env(factory, cfg.env.id)
         return make_env(cfg)
     return make
 

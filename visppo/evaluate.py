@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,12 +168,11 @@ def _check_env_overrides(overrides: Sequence[str]) -> None:
                               "(e.g. env.kwargs.look=published)")
 
 
-def load_policy(path: Path, device: torch.device = torch.device("cpu"), env_overrides: Sequence[str] = ()
-                ) -> tuple[ActorCritic, Config, dict[str, Any]]:
-    """Load a checkpoint safely and rebuild its policy on ``device``: ``(policy, cfg, ckpt)``.
+def read_trained(path: Path, env_overrides: Sequence[str] = ()) -> tuple[dict[str, Any], Config, dict]:
+    """A checkpoint ``visppo train`` wrote, loaded safely (``weights_only``) for acting on the CPU:
+    ``(ckpt, cfg, weights)``. Evaluation and :mod:`visppo.deploy` both read checkpoints with it.
 
-    ``env_overrides`` (``env.KEY=VALUE``) change the saved config's env, e.g. to
-    evaluate a policy trained on DMC's fast look in the published one (checked by the caller).
+    ``env_overrides`` (``env.KEY=VALUE``, checked by the caller) change the saved config's env.
     """
     ckpt = ckpt_io.load(path)
     if not isinstance(ckpt.get("config"), dict):
@@ -186,27 +185,49 @@ def load_policy(path: Path, device: torch.device = torch.device("cpu"), env_over
         cfg = build_config(ckpt["config"], env_overrides, source="the saved config")
     cfg.train.device = "cpu"
     cfg.rollout.device = "cpu"
-    state = ckpt["model"]
+    return ckpt, cfg, tensor_state(ckpt["model"], f"checkpoint {path}: 'model'")
+
+
+def tensor_state(state: Any, what: str) -> dict[str, torch.Tensor]:
+    """``state`` if it is a state dict of tensors, without the tensors visppo no longer has."""
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"checkpoint {path}: 'model' is not a state dict of tensors")
-    state = ckpt_io.without_removed_tensors(state)
+        raise CheckpointError(f"{what} is not a state dict of tensors")
+    return ckpt_io.without_removed_tensors(state)
+
+
+def load_weights(network: ActorCritic, state: dict[str, torch.Tensor], what: str,
+                 mismatch_error: Callable[[str], Exception] | None = None) -> ActorCritic:
+    """Fill ``network`` with ``state``, refused unless every tensor fits; returned in eval mode."""
+    mismatch = ckpt_io.describe_mismatch(network.state_dict(), state, theirs="saved")
+    if mismatch:
+        raise (mismatch_error(mismatch) if mismatch_error is not None else CheckpointError(
+            f"{what} is a checkpoint of another architecture than its saved config builds ({mismatch}): "
+            "use a checkpoint written by this version of visppo"))
+    network.load_state_dict(state)
+    return network.eval()
+
+
+def load_policy(path: Path, device: torch.device = torch.device("cpu"), env_overrides: Sequence[str] = ()
+                ) -> tuple[ActorCritic, Config, dict[str, Any]]:
+    """Load a checkpoint safely and rebuild its policy on ``device``: ``(policy, cfg, ckpt)``.
+
+    ``env_overrides`` (``env.KEY=VALUE``) change the saved config's env, e.g. to
+    evaluate a policy trained on DMC's fast look in the published one (checked by the caller).
+    """
+    ckpt, cfg, state = read_trained(path, env_overrides)
     check_env_id(cfg.env.id)
     env = make_env(cfg)
     try:
-        policy = build_policy(cfg, env.observation_space, env.action_space, device)
+        policy = build_policy(cfg, env.observation_space, env.action_space, device, load_weights=False)
     finally:
         env.close()
-    mismatch = ckpt_io.describe_mismatch(policy.state_dict(), state, theirs="saved")
-    if mismatch and env_overrides:
-        raise ConfigError(f"with {' '.join(env_overrides)} the env's observations or actions no longer fit "
-                          f"the trained policy ({mismatch}): keep what the policy sees (image size, frame "
-                          "stack, state, action space) as it was trained")
-    if mismatch:
-        raise CheckpointError(f"checkpoint {path} is a checkpoint of another architecture than its saved "
-                              f"config builds ({mismatch}): use a checkpoint written by this version of visppo")
-    policy.load_state_dict(state)
-    policy.eval()
-    return policy, cfg, ckpt
+
+    def changed_env(mismatch: str) -> Exception:
+        return ConfigError(f"with {' '.join(env_overrides)} the env's observations or actions no longer fit "
+                           f"the trained policy ({mismatch}): keep what the policy sees (image size, frame "
+                           "stack, state, action space) as it was trained")
+
+    return load_weights(policy, state, f"checkpoint {path}", changed_env if env_overrides else None), cfg, ckpt
 
 
 def evaluate(source: str | Path, episodes: int, deterministic: bool = False, video: Path | None = None,

@@ -1,10 +1,11 @@
-"""Where a run's numbers go: a progress bar, ``metrics.csv``, TensorBoard, phase timers."""
+"""Where a run's numbers go: a progress bar, ``metrics.csv``, TensorBoard, Weights & Biases, phase timers."""
 
 from __future__ import annotations
 
 import csv
 import math
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,7 +14,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from visppo.config import ConfigError
+from visppo import extras
+from visppo.atomic import atomic_write_text
+from visppo.config import Config, to_dict
+from visppo.errors import ConfigError, RunError
 
 
 class PhaseTimer:
@@ -65,16 +69,20 @@ def iteration_profiler(run_dir: Path) -> torch.profiler.profile:
 
 
 class Logger:
-    """Appends one row per logged iteration to ``metrics.csv`` and TensorBoard.
+    """Appends one row per logged iteration to ``metrics.csv``, TensorBoard and a ``tracker``.
 
     The CSV's columns are fixed by the first row written in the run (a resumed
     run appends under the existing header); keys that appear later go to
-    TensorBoard only.
+    TensorBoard and the tracker only. The tracker (:class:`WandbTracker`) also gets each
+    evaluation video that appeared in ``run_dir/videos`` since the last row.
     """
 
     def __init__(self, run_dir: Path, total_steps: int, initial_step: int = 0,
-                 tensorboard: bool = True, progress: bool = True):
+                 tensorboard: bool = True, progress: bool = True, tracker: WandbTracker | None = None):
         self.csv_path = run_dir / "metrics.csv"
+        self.tracker = tracker
+        self.videos_dir = run_dir / "videos"
+        self.videos_seen = set(self._videos())  # a resumed run's earlier videos were sent before
         self.columns: list[str] | None = None
         if self.csv_path.exists() and self.csv_path.stat().st_size:
             self.columns = _drop_rows_after(self.csv_path, initial_step)
@@ -98,6 +106,15 @@ class Logger:
             for k, v in scalars.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self.writer.add_scalar(k, v, step)
+        if self.tracker is not None:
+            self.tracker.log(step, scalars)
+            for video in sorted(set(self._videos()) - self.videos_seen):
+                self.tracker.video(video, step)
+                self.videos_seen.add(video)
+
+    def _videos(self) -> list[Path]:
+        return [p for p in self.videos_dir.glob("iter_*") if p.suffix in (".mp4", ".gif")] \
+            if self.videos_dir.is_dir() else []
 
     def progress(self, steps: int, postfix: str) -> None:
         self.bar.update(steps)
@@ -110,6 +127,62 @@ class Logger:
         self.bar.close()
         if self.writer is not None:
             self.writer.close()
+        if self.tracker is not None:
+            self.tracker.close()
+
+
+# --------------------------------------------------------------------------- Weights & Biases
+
+
+def check_tracking(cfg: Config) -> None:
+    """``run.wandb=true`` without the wandb extra: a ConfigError, before the run writes anything."""
+    if cfg.run.wandb:
+        extras.require("wandb", extras.EXTRAS["wandb"], "run.wandb=true")
+
+
+def open_tracker(cfg: Config, run_dir: Path, resuming: bool) -> WandbTracker | None:
+    """The run's W&B tracker with ``run.wandb``, else None."""
+    return WandbTracker(cfg, run_dir, resuming) if cfg.run.wandb else None
+
+
+class WandbTracker:
+    """A W&B run in ``run_dir/wandb``: the config, every metrics row (``global_step`` its x axis)
+    and the evaluation videos. ``WANDB_MODE=offline`` keeps it on disk (``wandb sync`` uploads it).
+
+    A resumed run continues the same W&B run (its id is kept in ``run_dir/wandb_id``); rows the
+    resumed run logs again show twice there, the CSV keeps one.
+    """
+
+    ID_FILE = "wandb_id"
+
+    def __init__(self, cfg: Config, run_dir: Path, resuming: bool):
+        import wandb
+
+        self.wandb = wandb
+        id_file = run_dir / self.ID_FILE
+        run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
+        run_id = run_id or uuid.uuid4().hex[:8]  # W&B's own ids: 8 lowercase letters and digits
+        r = cfg.run
+        try:
+            self.run = wandb.init(project=r.wandb_project or None, entity=r.wandb_entity or None,
+                                  name=r.wandb_name or run_dir.name, dir=str(run_dir), config=to_dict(cfg),
+                                  id=run_id, resume="allow", settings=wandb.Settings(console="off"))
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise RunError(f"W&B could not start a run in {run_dir} ({type(exc).__name__}: {first}): log in with "
+                           "`wandb login` or set WANDB_MODE=offline (or WANDB_MODE=disabled)") from None
+        atomic_write_text(id_file, run_id + "\n")
+        self.run.define_metric("global_step")
+        self.run.define_metric("*", step_metric="global_step")
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log({"global_step": step, **scalars})
+
+    def video(self, path: Path, step: int) -> None:
+        self.run.log({"global_step": step, "eval/video": self.wandb.Video(str(path), format=path.suffix[1:])})
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def _step(cell: str) -> float:

@@ -45,7 +45,7 @@ from visppo.envs import check_env_id, make_vector_env
 from visppo.errors import ConfigError, RunError, Stopped
 from visppo.evaluate import run_episodes
 from visppo.health import PROBE_SAMPLES, activation_health, probe_index
-from visppo.metrics import Logger, PhaseTimer, iteration_profiler
+from visppo.metrics import Logger, PhaseTimer, check_tracking, iteration_profiler, open_tracker
 from visppo.policy import ActorCritic
 from visppo.ppo import MemorySizes, UpdateResult, UpdateSetup, compute_values, update
 from visppo.precision import RunPrecision, for_run
@@ -145,6 +145,7 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
     """Check the input, lock the run directory, join the other processes, build envs, policy,
     optimizer and buffer, restore a checkpoint, open the logs; close everything on the way out."""
     ctx = distributed.Context.from_env()  # torchrun's RANK, WORLD_SIZE...; a world of one without them
+    check_tracking(cfg)  # run.wandb without the wandb extra: refused before anything is written
     run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
     with ExitStack() as stack, disk_errors(run_dir):
         signals = stack.enter_context(deferred_signals(run_dir))  # stops the start; saves once armed
@@ -292,7 +293,8 @@ def open_logs(run: Run, resuming: bool) -> None:
     if not resuming:
         atomic_write_text(run.dir / "config.yaml", to_yaml(cfg))
     run.logger = Logger(run.dir, run.num_iterations * run.global_rollout, initial_step=run.global_step,
-                        tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
+                        tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
+                        tracker=open_tracker(cfg, run.dir, resuming))
     run.logger.message(
         f"visppo: {'resuming' if resuming else 'run directory'} {run.dir}  (train on {run.device}, act on "
         f"{run.rollout_device}, amp {run.precision.update.name}, {run.num_iterations} iterations of "

@@ -1,0 +1,154 @@
+"""visppo.train(...): the Python API (a config from a path, a dict or the defaults, keyword
+overrides), and envs built in code (``env=``), whose runs load with visppo.load_policy anywhere."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+import threading
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from conftest import REPO, act_on, evaluate_recorded, tiny_kwargs
+
+import visppo
+import visppo.evaluate as evaluate_module
+from visppo import envs
+from visppo.api import make_config, nested_overrides
+from visppo.config import load_config
+from visppo.errors import ConfigError
+from visppo_envs.dot import DotReachEnv
+
+
+def test_a_code_env_that_renders_at_its_own_size_with_state(tmp_path, monkeypatch):
+    """env= a callable: frames of 64x64 resized to env.image_size=48 and a state vector, in training,
+    evaluation and Policy.act alike; policy.json lets the run load where the callable is unknown."""
+    factory = functools.partial(DotReachEnv, image_size=64, obs_mode="pixels_state")
+    kwargs = tiny_kwargs(tmp_path, env__state=True, env__max_episode_steps=50,  # the class has no time limit
+                         ppo__total_steps=64, ppo__num_epochs=1)
+    del kwargs["env__id"]  # env= gives the env
+    run_dir = visppo.train(None, env=factory, **kwargs)
+    assert run_dir == tmp_path / "run" and (run_dir / "checkpoints" / "latest.pt").is_file()
+    cfg = load_config(run_dir / "config.yaml")
+    assert cfg.env.id.startswith("code/DotReachEnv-v") and cfg.env.state
+    spec = json.loads((run_dir / "policy.json").read_text())
+    assert spec["image_size"] == 48 and spec["state_dim"] == 4 and spec["inputs"]["pixels"]["shape"][1:] == [3, 48, 48]
+    episodes, _ = evaluate_recorded(monkeypatch, run_dir, episodes=1)
+    first = episodes[0]["obs"][0]
+    assert first["pixels"].shape == (64, 64, 3) and first["state"].shape == (4,)
+    assert act_on(visppo.load_policy(run_dir), episodes) == 0.0
+    monkeypatch.setattr(envs, "_CODE_ENVS", {})  # as in another process: the callable is unknown there
+    assert act_on(visppo.load_policy(run_dir), episodes) == 0.0  # from policy.json, no env made
+    with pytest.raises(ConfigError, match="built in code"):
+        evaluate_module.evaluate(run_dir, episodes=1)
+
+
+class StateOnly(gym.Env):
+    """An env in code whose observations are not images: visppo renders it."""
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 10}
+
+    def __init__(self, render_mode=None):
+        self.render_mode = render_mode
+        self.observation_space = gym.spaces.Box(-1, 1, (3,), np.float32)
+        self.action_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(3, np.float32), 0.0, False, False, {}
+
+    def render(self):
+        return np.full((30, 40, 3), 7, np.uint8)
+
+
+def test_a_code_env_without_images_is_rendered_or_refused():
+    cfg = make_config(None, {"env__image_size": 24, "env__state": True, "env__max_episode_steps": 5},
+                      env=functools.partial(StateOnly, render_mode="rgb_array"))
+    env = envs.make_env(cfg)
+    obs, _ = env.reset(seed=0)
+    assert obs["pixels"].shape == (3, 24, 24) and obs["state"].shape == (3,)
+    for _ in range(5):
+        obs, _, terminated, truncated, _ = env.step(np.zeros(1, np.float32))
+    assert truncated and not terminated  # env.max_episode_steps applies to code envs too
+    cfg = make_config(None, {}, env=StateOnly)  # render_mode None: nothing to see
+    with pytest.raises(ConfigError, match="render_mode='rgb_array'"):
+        envs.make_env(cfg)
+    cfg = make_config(None, {}, env=lambda: "not an env")
+    with pytest.raises(ConfigError, match="not a gymnasium env"):
+        envs.make_env(cfg)
+
+
+def test_code_envs_go_to_workers_only_when_they_pickle(monkeypatch):
+    monkeypatch.setattr(envs, "usable_cpus", lambda: 8)
+    lock = threading.Lock()
+
+    def unpicklable():
+        with lock:
+            return DotReachEnv(image_size=24)
+
+    picklable = functools.partial(DotReachEnv, image_size=24)
+    kw = {"ppo__num_envs": 2, "env__image_size": 24}
+    assert envs.use_async(make_config(None, kw, env=picklable))
+    assert not envs.use_async(make_config(None, kw, env=unpicklable))  # auto: sync
+    with pytest.raises(ConfigError, match="cannot be pickled"):
+        envs.use_async(make_config(None, {**kw, "env__vector": "async"}, env=unpicklable))
+
+
+def test_a_code_env_steps_in_worker_processes():
+    """env.vector=async: each worker registers the callable it was sent, then builds its env."""
+    cfg = make_config(None, {"ppo__num_envs": 2, "env__image_size": 24, "env__vector": "async"},
+                      env=functools.partial(DotReachEnv, image_size=24))
+    vec = envs.make_vector_env(cfg)
+    try:
+        assert isinstance(vec, gym.vector.AsyncVectorEnv)
+        obs, _ = vec.reset(seed=[1, 2])
+        assert obs["pixels"].shape == (2, 3, 24, 24)
+        obs, *_ = vec.step(np.zeros((2, 2), np.float32))
+        assert obs["pixels"].dtype == np.uint8
+    finally:
+        vec.close()
+
+
+def test_config_from_a_path_a_dict_or_the_defaults_with_keyword_overrides():
+    cfg = make_config(REPO / "configs" / "dot_reach.yaml", {"ppo__total_steps": 4096, "env__kwargs__speed": 0.2})
+    assert (cfg.env.id, cfg.ppo.total_steps, cfg.env.kwargs, cfg.model.encoder) == \
+        ("visppo/DotReach-v0", 4096, {"speed": 0.2}, "nature")
+    cfg = make_config({"ppo": {"num_envs": 2, "minibatch_size": 32}, "run": {"dir": "123"}}, {"ppo__num_steps": 16})
+    assert (cfg.ppo.num_envs, cfg.ppo.num_steps, cfg.run.dir) == (2, 16, "123")  # values stay Python values
+    assert make_config(None, {}).env.id == "visppo/Reach-v0"
+    assert make_config(cfg, {"ppo__num_envs": 4}).ppo.num_envs == 4
+    assert nested_overrides({"a__b__c": 1, "a__d": 2}) == {"a": {"b": {"c": 1}, "d": 2}}
+
+
+@pytest.mark.parametrize("config, overrides, env, match", [
+    (None, {"total_steps": 5}, None, "section__key"),
+    (None, {"ppo__": 5}, None, "section__key"),
+    (None, {"ppo__no_such_key": 5}, None, "unknown config key 'ppo.no_such_key'"),
+    (None, {"ppo__num_envs": 0}, None, "ppo.num_envs"),
+    ("no/such.yaml", {}, None, "not found"),
+    (3, {}, None, "a YAML file's path, a dict"),
+    (None, {"env__id": "visppo/DotReach-v0"}, DotReachEnv, "not both"),
+    (None, {}, "visppo/DotReach-v0", "not callable"),
+])
+def test_bad_arguments_raise_one_config_error(config, overrides, env, match, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=match):
+        visppo.train(config, env=env, **overrides)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_import_visppo_is_light_and_visppo_train_is_both_the_api_and_the_module():
+    code = ("import sys, types\n"
+            "import visppo\n"
+            "assert not {'torch', 'gymnasium', 'mujoco'} & set(sys.modules), sorted(sys.modules)\n"
+            "from visppo.train import train as loop\n"  # the module first, then the API's name
+            "assert callable(visppo.train) and isinstance(visppo.train, types.ModuleType)\n"
+            "assert visppo.train.train is loop and visppo.load_policy.__module__ == 'visppo.deploy'\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -1,0 +1,92 @@
+"""visppo.load_policy and Policy: a trained policy acting on camera frames outside visppo's env loop.
+
+The parity tests record episodes as the env gives them (raw frames, below visppo's wrappers) while
+``visppo eval``'s code path (:func:`visppo.evaluate.evaluate`) plays them, then feed those frames
+to ``Policy.act``: the actions must be the ones evaluation took.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import act_on, evaluate_recorded, tiny_kwargs
+
+import visppo
+from visppo.checkpoint import CheckpointError
+from visppo.deploy import load_policy
+from visppo.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def dot_run(tmp_path_factory):
+    """A tiny DotReach run with 2 stacked frames, trained through visppo.train."""
+    return visppo.train(None, **tiny_kwargs(tmp_path_factory.mktemp("deploy"), env__frame_stack=2,
+                                     ppo__total_steps=64, ppo__num_epochs=1))
+
+
+@pytest.fixture(scope="module")
+def recorded(dot_run):
+    with pytest.MonkeyPatch.context() as patch:
+        return evaluate_recorded(patch, dot_run)[0]
+
+
+def test_policy_act_on_a_recorded_episode_gives_evaluations_actions(dot_run, recorded):
+    assert all(e["obs"][0].shape == (48, 48, 3) and e["obs"][0].dtype == np.uint8 for e in recorded)
+    assert sum(len(e["actions"]) for e in recorded) == 100  # two whole episodes of 50 steps
+    policy = load_policy(dot_run)
+    assert policy.spec.frame_stack == 2 and policy.info["global_step"] == 64
+    assert act_on(policy, recorded) == 0.0  # the same arrays through the same network: bit for bit
+    assert act_on(load_policy(dot_run / "checkpoints" / "latest.pt"), recorded) == 0.0
+
+
+def test_reset_makes_the_next_frame_fill_the_stack(dot_run, recorded):
+    policy = load_policy(dot_run)
+    policy.reset()
+    for obs in recorded[0]["obs"][:-1]:
+        policy.act(obs)
+    stale = policy.act(recorded[1]["obs"][0])  # no reset: the old episode's frame is still in the stack
+    policy.reset()
+    fresh = policy.act(recorded[1]["obs"][0])
+    assert np.array_equal(fresh, recorded[1]["actions"][0]) and stale.shape == fresh.shape
+
+
+def test_a_frame_of_another_size_or_kind_is_converted_as_training_converts_it(dot_run, recorded):
+    """A 96x96 camera frame is resized to 48x48; a float frame in [0, 1] is the same as its uint8."""
+    from PIL import Image
+
+    policy = load_policy(dot_run)
+    frame = recorded[0]["obs"][0]
+    big = np.asarray(Image.fromarray(frame).resize((96, 96), Image.NEAREST))
+    policy.reset()
+    a = policy.act(big)
+    policy.reset()
+    b = policy.act(np.asarray(Image.fromarray(big).resize((48, 48), Image.BILINEAR)))
+    assert np.array_equal(a, b)
+    policy.reset()
+    c = policy.act(frame.astype(np.float32) / 255)
+    policy.reset()
+    assert np.array_equal(c, policy.act(frame))
+    low, high = np.array(policy.spec.low), np.array(policy.spec.high)
+    policy.reset()
+    sampled = [policy.act(frame, deterministic=False) for _ in range(20)]
+    assert all(np.all(s >= low) and np.all(s <= high) for s in sampled)
+
+
+@pytest.mark.parametrize("observation, match", [
+    (np.zeros((3, 48, 48), np.uint8), "transpose"),
+    (np.zeros((48, 48, 4), np.uint8), "HxWx3"),
+    (np.full((48, 48, 3), 2.0), r"\[0, 1\]"),
+    (np.full((48, 48, 3), 300), "outside 0..255"),
+    ({"state": np.zeros(4)}, "give 'pixels'"),
+])
+def test_a_bad_observation_is_one_clear_error(dot_run, observation, match):
+    with pytest.raises(UserError, match=match):
+        load_policy(dot_run).act(observation)
+
+
+def test_what_is_not_a_policy_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        load_policy(tmp_path / "nothing")
+    (tmp_path / "policy.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_policy(tmp_path)

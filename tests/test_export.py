@@ -1,0 +1,147 @@
+"""visppo export: ONNX and TorchScript files that act as the eager policy does, a shareable folder
+that visppo.load_policy loads, and the deploy extra's one-line error when it is missing."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import act_on, evaluate_recorded, one_error_line, run_main, tiny_kwargs
+
+import visppo
+from visppo import export as export_module
+from visppo.deploy import load_policy
+from visppo.errors import ConfigError
+
+TOLERANCE = 1e-4
+"""The largest difference allowed between an exported network's actions and the eager policy's."""
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A tiny DotReach run that reads 2 stacked frames and a state vector: both inputs exported."""
+    tmp = tmp_path_factory.mktemp("export")
+    return visppo.train(None, **tiny_kwargs(tmp, env__frame_stack=2, env__state=True, ppo__total_steps=64,
+                                            ppo__num_epochs=1))
+
+
+@pytest.fixture(scope="module")
+def recorded(run_dir):
+    """Evaluation's episodes: raw frames, and the 100 packed observations the policy read first."""
+    with pytest.MonkeyPatch.context() as patch:
+        raw, packed = evaluate_recorded(patch, run_dir)
+    obs = [o for episode in packed for o in episode["obs"]][:100]
+    taken = [a for episode in packed for a in episode["actions"]]
+    return raw, np.stack([o["pixels"] for o in obs]), np.stack([o["state"] for o in obs]), np.stack(taken)
+
+
+def exported(run_dir, tmp_path, capsys, fmt):
+    out = tmp_path / fmt
+    code, err = run_main(capsys, "export", run_dir, "--format", fmt, "--out", out)
+    assert code == 0, err
+    return out
+
+
+def test_onnx_runs_in_onnx_runtime_with_the_eager_policys_actions(run_dir, recorded, tmp_path, capsys):
+    ort = pytest.importorskip("onnxruntime", reason="the deploy extra (pip install -e \".[deploy]\")")
+    _, pixels, state, taken = recorded
+    eager = load_policy(run_dir).act_stacked(pixels, state)
+    assert pixels.shape == (100, 6, 48, 48) and pixels.dtype == np.uint8
+    # the eager policy is evaluation's (a batch of 100 rounds otherwise than evaluation's batches of 1)
+    assert np.max(np.abs(eager[:50] - taken[:50])) <= 1e-6
+    out = exported(run_dir, tmp_path, capsys, "onnx")
+    session = ort.InferenceSession(str(out / "policy.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["pixels", "state"]
+    (actions,) = session.run(["action"], {"pixels": pixels, "state": state})
+    diff = float(np.max(np.abs(actions - eager)))
+    print(f"ONNX Runtime vs eager, {len(pixels)} observations: max abs diff {diff:.3g}")
+    assert actions.shape == eager.shape and diff <= TOLERANCE
+    spec = json.loads((out / "policy.json").read_text())
+    assert spec["inputs"]["pixels"]["shape"] == ["batch", 6, 48, 48] and spec["frame_stack"] == 2
+    assert spec["inputs"]["pixels"]["dtype"] == "uint8" and spec["action"]["low"] == [-1.0, -1.0]
+    assert spec["files"]["model"] == "policy.onnx" and spec["config"]["env"]["state"] is True
+
+
+def test_torchscript_loads_with_torch_jit_and_acts_as_the_eager_policy(run_dir, recorded, tmp_path, capsys):
+    _, pixels, state, _ = recorded
+    eager = load_policy(run_dir).act_stacked(pixels, state)
+    out = exported(run_dir, tmp_path, capsys, "torchscript")
+    network = torch.jit.load(str(out / "policy.pt"))
+    with torch.no_grad():
+        actions = network(torch.from_numpy(pixels), torch.from_numpy(state)).numpy()
+    diff = float(np.max(np.abs(actions - eager)))
+    print(f"TorchScript vs eager, {len(pixels)} observations: max abs diff {diff:.3g}")
+    assert actions.shape == eager.shape and diff <= TOLERANCE
+    assert sorted(p.name for p in out.iterdir()) == ["policy.json", "policy.pt"]
+
+
+def test_the_folder_holds_weights_config_and_a_model_card_and_loads(run_dir, recorded, tmp_path, capsys):
+    pytest.importorskip("safetensors", reason="the deploy extra (pip install -e \".[deploy]\")")
+    raw = recorded[0]
+    code, err = run_main(capsys, "eval", run_dir, "--episodes", "3", "--deterministic", "--seed", "7",
+                         "--json", run_dir / "final_eval.json")
+    assert code == 0, err
+    evaluation = json.loads((run_dir / "final_eval.json").read_text())
+    out = exported(run_dir, tmp_path, capsys, "folder")
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.yaml", "model.safetensors", "policy.json"]
+    assert yaml.safe_load((out / "config.yaml").read_text())["ppo"]["total_steps"] == 64
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: visppo\n")  # the Hub's front matter
+    from visppo.seeding import EVAL, episode_seed
+
+    seeds = ", ".join(str(episode_seed(7, i, EVAL)) for i in range(3))
+    for needle in ["task: `visppo/DotReach-v0`", "budget: 64 env steps", f"{evaluation['mean_return']:.2f}",
+                   "over 3 episodes (deterministic actions)", f"seed 7: episode reset seeds {seeds}",
+                   "`visppo train config.yaml`"]:
+        assert needle in card, needle
+    policy = visppo.load_policy(out)
+    assert policy.info["global_step"] == 64 and policy.spec.state_dim == 4
+    assert act_on(policy, raw) == 0.0  # the folder's policy is the run's, bit for bit
+
+
+def test_a_run_never_evaluated_says_so_in_its_card(run_dir):
+    policy = load_policy(run_dir)
+    card = export_module.model_card(policy, None)
+    assert "Not evaluated" in card and f"visppo eval {run_dir}" in card
+
+
+@pytest.mark.parametrize("fmt, module", [("onnx", "onnxscript"), ("folder", "safetensors")])
+def test_without_the_deploy_extra_one_error_line_names_it(run_dir, tmp_path, capsys, monkeypatch, fmt, module):
+    monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed: imports of it fail
+    code, err = run_main(capsys, "export", run_dir, "--format", fmt, "--out", tmp_path / "out")
+    assert code == 2
+    one_error_line(err, 'pip install -e ".[deploy]"', module)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_loading_a_folder_without_safetensors_names_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "policy.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    with pytest.raises(ConfigError, match=r'pip install -e "\.\[deploy\]"'):
+        visppo.load_policy(tmp_path)
+
+
+def test_a_bad_out_or_a_failed_export_leaves_nothing(run_dir, tmp_path, capsys, monkeypatch):
+    code, err = run_main(capsys, "export", tmp_path / "no_run", "--out", tmp_path / "a" / "b")
+    assert code == 2 and "not found" in one_error_line(err) and not (tmp_path / "a").exists()
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    code, err = run_main(capsys, "export", run_dir, "--format", "torchscript", "--out", full)
+    assert code == 2 and "not empty" in one_error_line(err)
+    assert [p.name for p in full.iterdir()] == ["keep.txt"]
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export_module, "write_network", broken)
+    with pytest.raises(OSError):
+        export_module.export(run_dir, tmp_path / "new", "torchscript")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]  # no new folder, no temporary one
+    code, err = run_main(capsys, "export", run_dir, "--format", "tflite", "--out", tmp_path / "x")
+    assert code == 2 and "tflite" in err and not (tmp_path / "x").exists()

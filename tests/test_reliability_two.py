@@ -257,3 +257,11 @@ def test_a_run_dir_name_too_long_for_the_file_system_is_one_line(tmp_path, capsy
     assert code == 2
     one_error_line(err, "is 300 bytes long", "at most 255")
     assert sorted(tmp_path.iterdir()) == []
+
+
+def test_the_probe_s_profiler_prints_nothing(capfd):
+    from visppo.memory import cpu_allocator_peak
+
+    peak, out = cpu_allocator_peak(lambda: torch.ones(4096) * 2)
+    assert peak >= 4096 * 4 and out.shape == (4096,)
+    assert "USDT" not in capfd.readouterr().err

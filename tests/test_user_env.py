@@ -142,4 +142,6 @@ def test_validate_spaces_refuses_a_std_schedule_for_discrete_actions():
 
 
 def test_visppo_tasks_pass_the_check():
-    check_env(load_config(None, ["env.id=visppo/DotReach-v0", "env.image_size=48"]))
+    from visppo.envs import make_env
+
+    check_env(load_config(None, ["env.id=visppo/DotReach-v0", "env.image_size=48"]), make_env)

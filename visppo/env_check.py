@@ -1,4 +1,5 @@
 """An env checked once, before any run directory is made: its spaces, one reset and one step.
+(A leaf: imports nothing of visppo but its errors; the env is built by the caller's ``make_env``.)
 
 :func:`validate_spaces` is what visppo can act in (beside :func:`visppo.config.validate`, which
 checks the config alone): an image observation (alone, or ``"pixels"`` in a Dict with an
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -152,13 +153,11 @@ def check_success(info: Any, name: str, where: str, error=ConfigError) -> None:
             raise error(f"env {name}: {where} returned info['is_success']={value!r}: it must be True or False")
 
 
-def check_env(cfg, seed: int = 0) -> None:
-    """Build one env as training does, check its spaces, reset it once and step it once with a
-    sampled action; the first defect found is a ConfigError naming the env and what is wrong."""
-    from visppo.envs import make_env, preload_before_gl
-
+def check_env(cfg, make_env: Callable[[Any], gym.Env], seed: int = 0) -> None:
+    """Build one env with ``make_env(cfg)`` (:func:`visppo.envs.make_env`: as training builds them),
+    check its spaces, reset it once and step it once with a sampled action; the first defect found
+    is a ConfigError naming the env and what is wrong."""
     name = cfg.env.id
-    preload_before_gl()
     with warnings.catch_warnings():  # gymnasium's checker warns of what this names as one line (and
         warnings.simplefilter("ignore")  # warns again, once per env, when the run's envs start)
         _check_env(cfg, name, seed, make_env)

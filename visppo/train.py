@@ -42,7 +42,7 @@ from visppo.builders import (
 from visppo.config import Config, to_yaml
 from visppo.encoders import FreezeSchedule
 from visppo.env_check import check_env
-from visppo.envs import check_env_id, make_vector_env
+from visppo.envs import check_env_id, make_env, make_vector_env, preload_before_gl
 from visppo.errors import ConfigError, RunError, Stopped
 from visppo.evaluate import run_episodes
 from visppo.health import PROBE_SAMPLES, activation_health, probe_index
@@ -158,12 +158,12 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
                 stack.enter_context(ckpt_io.run_dir_lock(run_dir))
         resume = ckpt_io.resume_for_rank(resume, ctx) if resume is not None else None
         check_env_id(cfg.env.id)
-        check_env(cfg)  # its spaces, one reset and one step: a defect named before anything is written
         device = ctx.place(resolve_device(cfg.train.device))  # cuda -> cuda:LOCAL_RANK
         rollout_device = (device if cfg.rollout.device == "auto"
                           else ctx.place(resolve_device(cfg.rollout.device, "rollout.device"), "rollout.device"))
         precision = for_run(cfg.train, device, rollout_device)
         check_memory(cfg, device if cfg.memory.buffer_device == "device" else torch.device("cpu"), device)
+        check_user_env(cfg)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         seed_everything(cfg.train.seed, cfg.train.deterministic, device)  # the same model on every rank
@@ -187,6 +187,13 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
         with run.profiler or _nothing():
             signals.armed = True
             yield run
+
+
+def check_user_env(cfg: Config) -> None:
+    """The env's spaces, one reset and one step (visppo.env_check), before anything is written and
+    before the run's seeds are set (the check draws from nothing the run uses)."""
+    preload_before_gl()  # before the check env's GL context (see envs.preload_before_gl)
+    check_env(cfg, make_env)
 
 
 def close_envs(envs: gym.vector.VectorEnv) -> None:

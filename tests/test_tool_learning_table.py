@@ -252,6 +252,8 @@ def test_iqm_says_so_when_no_dmc_task_or_no_common_seed(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["--at", "abc"], "'abc' is not a step count"),
     (["--at", "0"], "must be positive"),
+    (["--at", "1e400"], "'1e400' is not a step count"),
+    (["--at", "infk"], "'infk' is not a step count"),
     (["--reps", "0"], "--reps"),
     (["--bogus"], "unknown arguments --bogus"),
     (["--column", "nope", "--plot", "{tmp}/p.png"], "--column nope"),

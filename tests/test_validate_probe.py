@@ -87,11 +87,11 @@ def test_bad_input_is_one_error_line_and_exit_2(capsys, args, needle):
     one_error_line(captured.err, needle)
 
 
-def test_cuda_mode_skips_cleanly_without_a_gpu(capsys):
+def test_cuda_mode_without_a_gpu_is_one_error_line_and_writes_nothing(capsys):
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
-    assert vp.main(["--device", "cuda", "--json", "unused.json"]) == 0
-    assert "no CUDA device" in capsys.readouterr().err
+    assert vp.main(["--device", "cuda", "--json", "unused.json"]) == 2
+    one_error_line(capsys.readouterr().err, "no CUDA device", "--device cpu")
     assert not Path("unused.json").exists()
 
 

@@ -93,7 +93,7 @@ def parse_steps(text: str) -> int:
     scale = {"k": 1_000, "m": 1_000_000}.get(text[-1:].lower(), 1)
     try:
         steps = int(float(text[:-1] if scale > 1 else text) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: 1e400, inf
         raise UsageError(f"--at {text!r} is not a step count (e.g. 100k, 2M, 5e5, 102400)") from None
     if steps <= 0:
         raise UsageError(f"--at {text!r}: a step count must be positive")

@@ -433,8 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("validate_probe: no CUDA device here; nothing measured (run it on a GPU machine)", file=sys.stderr)
-        return 0
+        print("error: --device cuda: no CUDA device here, nothing measured: run it on a GPU machine, or give "
+              "--device cpu", file=sys.stderr)
+        return 2
     if args.one or args.headline_one:
         print(json.dumps(run_row(json.loads(args.one), args.device) if args.one else headline(args.headline_one)))
         return 0

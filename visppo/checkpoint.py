@@ -35,8 +35,18 @@ class CheckpointError(UserError):
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path`` atomically."""
-    atomic_write(path, lambda f: torch.save(obj, f), binary=True)
+    """``torch.save`` to ``path`` atomically. A failed write (a full disk) is the OSError it was:
+    torch's zip writer reports it as a RuntimeError ("unexpected pos") whose context holds it."""
+    def save(f) -> None:
+        try:
+            torch.save(obj, f)
+        except RuntimeError as exc:
+            cause = exc.__context__
+            if isinstance(cause, OSError):
+                raise OSError(cause.errno, cause.strerror, str(path)) from None
+            raise
+
+    atomic_write(path, save, binary=True)
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -242,14 +252,45 @@ def load_for_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] 
         if key not in RESUMABLE:
             raise ConfigError(f"{key} cannot change when resuming (only {', '.join(RESUMABLE)}); "
                               "start a new run for other changes")
+    check_link(run_dir, latest)
     ckpt = load(latest)
     saved = ckpt["config"]
     saved["run"]["dir"] = str(run_dir)
     cfg = build_config(saved, overrides, source=str(latest))
+    check_same_run(run_dir, latest, cfg)
     if cfg.ppo.total_steps <= ckpt["global_step"]:
         raise ConfigError(f"ppo.total_steps={cfg.ppo.total_steps} is already reached (the run is at step "
                           f"{ckpt['global_step']}): raise it to train further")
     return cfg, ckpt
+
+
+def check_link(run_dir: Path, checkpoint: Path) -> None:
+    """A run's checkpoint is a file of its own ``checkpoints/``, not a link to another run's."""
+    if checkpoint.is_symlink() and checkpoint.resolve().parent != (run_dir / "checkpoints").resolve():
+        raise ConfigError(f"{checkpoint} is a link to {checkpoint.resolve()}, outside this run's checkpoints: "
+                          f"resume that run itself, or replace the link with one of {run_dir / 'checkpoints'}")
+
+
+def check_same_run(run_dir: Path, checkpoint: Path, cfg: Config) -> None:
+    """The checkpoint's config is the run's (its config.yaml) but for the keys a resume may change:
+    else it is another run's checkpoint put in this run's place, and resuming it would go on with
+    that run under this one's name. A config.yaml visppo cannot read is left to the user."""
+    from visppo.config import load_config
+
+    try:
+        on_disk = to_dict(load_config(run_dir / "config.yaml", [f"run.dir={run_dir}"]))
+    except (UserError, OSError):
+        return
+    mine = to_dict(cfg)
+    allowed = {*RESUMABLE, "run.dir"}
+    for section, values in mine.items():
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            theirs = on_disk.get(section, {}).get(key)
+            if name not in allowed and theirs != value:
+                raise ConfigError(f"{checkpoint} is not this run's checkpoint: it was trained with {name}={value}, "
+                                  f"and {run_dir / 'config.yaml'} says {theirs}: resume the run it belongs to, or "
+                                  "put this run's own checkpoint back")
 
 
 def resume_for_rank(ckpt: dict, ctx: distributed.Context) -> dict:

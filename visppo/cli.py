@@ -68,6 +68,8 @@ def _leave_without_finalization() -> None:
 def cmd_bench(ns: argparse.Namespace) -> int:
     from visppo.bench import bench_devices, format_devices
 
+    if ns.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {ns.repeats}")
     path, overrides = _split(ns.args)
     cfg = load_config(path, overrides)
     print(format_devices(bench_devices(cfg, repeats=ns.repeats)))
@@ -80,6 +82,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
     if ns.episodes < 1:
         raise ConfigError(f"--episodes must be at least 1, got {ns.episodes}")
+    if not 0 <= ns.seed < 2**31:  # the evaluation stream's seeds are drawn from it as numpy's 32-bit seeds
+        raise ConfigError(f"--seed must be in 0 .. 2**31 - 1, got {ns.seed}")
     result = evaluate(ns.source, ns.episodes, deterministic=ns.deterministic,
                       video=Path(ns.video) if ns.video else None,
                       json_path=Path(ns.json) if ns.json else None, seed=ns.seed,
@@ -119,6 +123,8 @@ def cmd_probe(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--device must be cpu, cuda or cuda:N, got '{device}'")
     for option, out in (("--json", ns.json), ("--plot", ns.plot), ("--write-config", ns.write_config)):
         _check_output(option, out)
+    if ns.budget is not None:
+        _check_budget(ns.budget)
     result = probe(cfg, ns.budget or cfg.memory.budget, device, ns.mode, ns.margin)
     print(format_table(result))
     if ns.json:
@@ -132,6 +138,18 @@ def cmd_probe(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _check_budget(budget: str) -> None:
+    """``--budget`` as ``memory.budget`` takes it: a size (8GiB, 6000MB, bytes), positive."""
+    from visppo.config import MAX_INT, parse_bytes
+
+    try:
+        size = parse_bytes(budget)
+    except (ValueError, OverflowError):
+        raise ConfigError(f"--budget '{budget}' is not a size like 8GiB, 6000MB or 1073741824") from None
+    if not 0 < size <= MAX_INT:
+        raise ConfigError(f"--budget {budget} is out of range (a size above 0 and at most {MAX_INT:.0e} bytes)")
+
+
 def _check_output(option: str, out: str | None) -> None:
     """An output file's path must name a file in an existing directory (checked before any work)."""
     if out is None:
@@ -141,6 +159,8 @@ def _check_output(option: str, out: str | None) -> None:
         raise ConfigError(f"{option} {out} is a directory: give a file name, e.g. {path / 'probe.out'}")
     if not path.parent.is_dir():
         raise ConfigError(f"{option} {out}: directory {path.parent} does not exist: create it first")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option} {out}: directory {path.parent} is not writable: give another path")
 
 
 def cmd_config(ns: argparse.Namespace) -> int:
@@ -267,6 +287,10 @@ def _run(ns: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("visppo: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # a full or read-only target once the work is done: the file and the cause
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"error: cannot write{where}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

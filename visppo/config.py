@@ -73,7 +73,7 @@ class ModelConfig:
     freeze_encoder_updates: int = 0
     """Keep the encoder's trunk frozen (no gradient, no Adam step) for this many optimizer steps, then train it."""
     encoder_lr_scale: float = 1.0
-    """The encoder trunk's learning rate is ppo.learning_rate times this (its own optimizer param group)."""
+    """The encoder trunk's learning rate is ppo.learning_rate times this (its own optimizer param group); 0 leaves the trunk as loaded (frozen)."""
     encoder_checkpointing: bool = False
     """Recompute the trunk's activations block by block in backward (less memory, about 1/3 more compute); not for nature, drq or spatial_softmax."""
     resize: int = 0
@@ -123,7 +123,7 @@ class PPOConfig:
     gae_lambda: float = 0.95
     """GAE lambda, in [0, 1]: 0 is one-step TD, 1 is Monte Carlo (CleanRL's 0.95). (evidence: docs/learning.md)"""
     clip_coef: float = 0.2
-    """PPO ratio clipping range, >= 0 (CleanRL's 0.2). (evidence: docs/learning.md)"""
+    """PPO ratio clipping range, > 0 (CleanRL's 0.2). (evidence: docs/learning.md)"""
     clip_value: bool = False
     """Clip the value update around the old values with clip_coef (CleanRL has it on; off here). (evidence: docs/learning.md)"""
     value_coef: float = 0.5
@@ -131,7 +131,7 @@ class PPOConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus, >= 0; 0 is off. (evidence: docs/learning.md)"""
     max_grad_norm: float = 0.5
-    """Clip the global gradient norm of each optimizer step to this."""
+    """Clip the global gradient norm of each optimizer step to this (> 0)."""
     norm_adv: bool = True
     """Normalise advantages over each minibatch."""
     norm_reward: bool = False
@@ -143,7 +143,7 @@ class PPOConfig:
     recompute_advantages: bool = False
     """Recompute values and advantages (chunked, no grad) at the start of every epoch."""
     adam_eps: float = 1e-5
-    """Adam epsilon."""
+    """Adam epsilon (> 0)."""
     augment_loss: bool = False
     """Every loss of the update reads model.augment's frames, drawn afresh per minibatch (RAD, Laskin et al. 2020); logp_old stays the acting pass's. Not with drac_coef. (evidence: docs/learning.md)"""
     drac_coef: float = 0.0
@@ -177,7 +177,7 @@ class TrainConfig:
     threads: int = 0
     """torch intra-op threads; 0 keeps torch's default (at most 1024)."""
     max_bad_steps: int = 10
-    """Stop the run after this many optimizer steps in a row with a non-finite loss or gradient."""
+    """Stop the run after this many optimizer steps in a row with a non-finite loss or gradient (>= 1)."""
     profile: bool = False
     """Record the third iteration with torch.profiler into <run>/profile/ (a Chrome trace for Perfetto or TensorBoard)."""
 
@@ -552,9 +552,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"memory.infer_chunk_size must be positive (or auto), got {cfg.memory.infer_chunk_size}")
     if cfg.memory.micro_batch_size != "auto" and cfg.memory.micro_batch_size < 0:
         raise ConfigError(f"memory.micro_batch_size must be >= 0 (or auto), got {cfg.memory.micro_batch_size}")
-    for key in ("ppo.entropy_coef", "ppo.target_kl", "ppo.max_grad_norm",
-                "env.max_episode_steps", "train.threads", "train.max_bad_steps", "model.freeze_encoder_updates",
-                "model.shared_layers", "run.keep_checkpoints", "ppo.value_coef", "ppo.clip_coef", "run.eval_every"):
+    _validate_learning_keys(cfg)
+    for key in ("ppo.entropy_coef", "ppo.target_kl",
+                "env.max_episode_steps", "train.threads", "model.freeze_encoder_updates",
+                "model.shared_layers", "run.keep_checkpoints", "ppo.value_coef", "run.eval_every"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(getattr(cfg, section), name)}")
@@ -566,6 +567,27 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"env.render_samples must be -1 (the env's own) or >= 0, got {cfg.env.render_samples}")
     _validate_relations(cfg)
     _validate_choices(cfg)
+
+
+NO_LEARNING = {
+    "ppo.max_grad_norm": "0 scales every gradient to zero and the weights never change; to clip nothing, "
+                         "give a large norm such as 1e6",
+    "ppo.clip_coef": "0 clips every probability ratio to 1 and the policy stops changing after its first "
+                     "step (0.2 is usual)",
+    "ppo.adam_eps": "Adam divides by the gradient's running size plus it, and a parameter without gradient "
+                    "then turns NaN (1e-5 is usual)",
+    "train.max_bad_steps": "0 stops a healthy run after its first iteration as diverged (1 stops at the "
+                           "first non-finite step)",
+}
+"""Keys that must be positive because 0 (or less) would silently stop the learning."""
+
+
+def _validate_learning_keys(cfg: Config) -> None:
+    for key, why in NO_LEARNING.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}: {why}")
 
 
 def _validate_relations(cfg: Config) -> None:

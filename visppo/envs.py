@@ -25,6 +25,7 @@ import numpy as np
 
 from visppo import seeding
 from visppo.config import Config
+from visppo.env_check import check_observation_space
 from visppo.errors import ConfigError, RunError
 from visppo_envs._gl import ensure_headless_gl
 
@@ -110,11 +111,7 @@ class PixelDict(gym.ObservationWrapper):
     def __init__(self, env: gym.Env, frame_stack: int, keep_state: bool, image_size: int | None = None):
         super().__init__(env)
         space = env.observation_space
-        pix = space["pixels"] if isinstance(space, gym.spaces.Dict) else space
-        if not is_image_space(space):
-            raise ConfigError(
-                f"env observation {space} is not an image (uint8 HxWxC): set env.pixels=true to "
-                "render frames, or pick an env with image observations")
+        pix = check_observation_space(space, keep_state, env.spec.id if env.spec else str(env))
         h, w, c = pix.shape
         self.resize = image_size if image_size and (h, w) != (image_size, image_size) else None
         if self.resize:  # envs that render at their own size (e.g. 600x400 classic control)
@@ -123,8 +120,6 @@ class PixelDict(gym.ObservationWrapper):
         spaces = {"pixels": gym.spaces.Box(0, 255, (c * self.k, h, w), np.uint8)}
         self.keep_state = keep_state
         if keep_state:
-            if not isinstance(space, gym.spaces.Dict) or "state" not in space.spaces:
-                raise ConfigError(f"env.state=true but {env.spec.id if env.spec else env} gives no state vector")
             st = space["state"]
             spaces["state"] = gym.spaces.Box(-np.inf, np.inf, (int(np.prod(st.shape)),), np.float32)
         self.observation_space = gym.spaces.Dict(spaces)
@@ -536,6 +531,6 @@ def worker_errors(envs: gym.vector.VectorEnv, env_id: str) -> Iterator[None]:
                 if p.exitcode is not None]
         raise RunError(f"env {env_id}: {', '.join(dead) or 'a worker'} died during step "
                        f"({type(exc).__name__}); the last checkpoint is intact") from None
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # an in-process env's sys.exit too
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise RunError(f"env {env_id} failed during step: {type(exc).__name__}: {first[:200]}") from exc

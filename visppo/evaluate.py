@@ -13,6 +13,7 @@ renamed into place: a crash never leaves a half file under the final name.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from visppo.atomic import atomic_write_text
 from visppo.builders import build_policy
 from visppo.checkpoint import CheckpointError
 from visppo.config import Config, build_config, from_dict
+from visppo.env_check import env_errors
 from visppo.envs import check_env_id, make_env
 from visppo.errors import ConfigError, UserError
 from visppo.policy import ActorCritic
@@ -64,7 +66,8 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
         video = _check_output_path(Path(video), "video")
         check_suffix(video)
     check_env_id(cfg.env.id)
-    env = make_env(cfg, seeding.EVAL)
+    with env_errors(cfg.env.id, "evaluation"):
+        env = make_env(cfg, seeding.EVAL)
     results: list[tuple[float, int, bool | None]] = []
     written: Path | None = None
     was_training = policy.training
@@ -76,6 +79,8 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
     try:
         render_view = getattr(env.unwrapped, "render_view", None)
         render_view = render_view if callable(render_view) else None
+        if video is not None:
+            video.parent.mkdir(parents=True, exist_ok=True)  # only now: the checks before have passed
         writer_cm = video_writer(video, video_fps(env, cfg.env.action_repeat)) if video is not None else no_writer()
         with writer_cm as writer, torch.random.fork_rng(devices=[]), torch.inference_mode():
             torch.manual_seed(seed)
@@ -83,10 +88,13 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
                       if writer is not None else None)
             for i in range(episodes):
                 # the first reset sets the stream's base; later ones step its episode index
-                results.append(run_episode(env, policy, seed if i == 0 else None, deterministic, device, record))
+                with env_errors(cfg.env.id, "evaluation"):
+                    results.append(run_episode(env, policy, seed if i == 0 else None, deterministic, device,
+                                               record))
             written = writer.path if writer is not None else None
     finally:
-        env.close()
+        with contextlib.suppress(Exception, SystemExit):  # a failing env's error matters more
+            env.close()
         policy.train(was_training)
         torch.set_num_threads(threads)
     return summarize(results, deterministic, seed, written)
@@ -271,15 +279,18 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 def _check_output_path(path: Path, what: str) -> Path:
-    """Create the output's directory now, so a bad path fails before the episodes run."""
+    """Check the output's path now, so a bad one fails before the episodes run: its nearest existing
+    folder must be a writable directory. Missing folders are made only when the file is written
+    (a refused evaluation leaves nothing behind)."""
     if path.is_dir():
         raise UserError(f"{what} output {path} is a directory: give a file name")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot write the {what} output {path}: {exc.strerror or exc}") from None
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write the {what} output {path}: {path.parent} is not writable")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"cannot write the {what} output {path}: {folder} is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write the {what} output {path}: {folder} is not writable")
     return path
 
 

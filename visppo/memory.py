@@ -9,9 +9,12 @@ machine without a GPU.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -155,8 +158,14 @@ def cpu_allocator_peak(fn: Callable[[], Any]) -> tuple[int, Any]:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():  # Kineto writes "USDT: ... profiler_start" to fd 2, whatever its log level
+        prof.__enter__()
+    try:
         out = fn()
+    finally:
+        with _quiet_stderr():
+            prof.__exit__(None, None, None)
     events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                      if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
                     key=lambda event: event[0])  # stable: events of one instant keep their order
@@ -165,6 +174,20 @@ def cpu_allocator_peak(fn: Callable[[], Any]) -> tuple[int, Any]:
         live += nbytes
         peak = max(peak, live)
     return peak, out
+
+
+@contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null for the block (C++ code's prints; Python's own stderr is flushed first)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 CUDA_BLOCK_ROUND = 512

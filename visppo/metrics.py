@@ -194,18 +194,31 @@ def _step(cell: str) -> float:
 
 
 def _drop_rows_after(path: Path, step: int) -> list[str] | None:
-    """Keep the CSV rows up to ``step`` (a resumed run redoes the rest); returns the header."""
+    """Keep the CSV rows up to ``step`` (a resumed run redoes the rest); returns the header, or None
+    when there is none to keep (the file is then removed, and the next row writes a new header).
+
+    A last line without its newline was cut short by a kill (the header too): it is dropped, so that
+    the next row never glues onto it."""
+    move_away = "move it away (the resumed run then starts a new one) and resume again"
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory, not the run's metrics file: {move_away}")
     try:
+        cut = not path.read_bytes().endswith(b"\n")
         with path.open(newline="", encoding="utf-8") as f:
             rows = list(csv.reader(f))
     except (UnicodeDecodeError, csv.Error) as exc:
-        raise ConfigError(f"{path} is not a CSV file visppo wrote ({type(exc).__name__}): move it away "
-                          "(the resumed run then starts a new one) and resume again") from None
+        raise ConfigError(f"{path} is not a CSV file visppo wrote ({type(exc).__name__}): {move_away}") from None
+    if cut:
+        rows = rows[:-1]
     if not rows:
+        path.unlink()
         return None
     header, body = rows[0], rows[1:]
+    if not header or header[0] != "global_step":
+        raise ConfigError(f"{path} is not a CSV file visppo wrote (its header does not start with global_step): "
+                          f"{move_away}")
     kept = [r for r in body if len(r) == len(header) and _step(r[0]) <= step]  # and not cut short by a kill
-    if len(kept) != len(body):
+    if cut or len(kept) != len(body):
         tmp = path.with_suffix(".csv.tmp")
         with tmp.open("w", newline="") as f:
             csv.writer(f).writerows([header, *kept])

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from visppo.buffer import RolloutBuffer
+from visppo.env_check import check_rollout_step, success_of
 from visppo.envs import worker_errors
 from visppo.policy import ActorCritic
 
@@ -60,7 +61,8 @@ class RolloutState:
 
     @classmethod
     def start(cls, envs: gym.vector.VectorEnv, seed: int | list[int]) -> RolloutState:
-        obs, _ = envs.reset(seed=seed)
+        with worker_errors(envs, getattr(envs, "env_id", "?")):
+            obs, _ = envs.reset(seed=seed)
         n = envs.num_envs
         return cls(obs=obs, episode_return=np.zeros(n), episode_length=np.zeros(n, dtype=np.int64))
 
@@ -103,6 +105,7 @@ def collect(envs: gym.vector.VectorEnv, policy: ActorCritic, buffer: RolloutBuff
         env_action = action.numpy() if low is None else np.clip(action.numpy(), low, high)  # stored unclipped
         with worker_errors(envs, env_id):
             obs, reward, terminated, truncated, info = envs.step(env_action)
+        check_rollout_step(env_id, reward, obs)
         buffer.rewards[t] = torch.as_tensor(reward, dtype=torch.float32)
         buffer.terminated[t] = torch.as_tensor(terminated)
         buffer.truncated[t] = torch.as_tensor(truncated)
@@ -113,13 +116,14 @@ def collect(envs: gym.vector.VectorEnv, policy: ActorCritic, buffer: RolloutBuff
             with torch.inference_mode(), autocast:
                 buffer.final_values[t, torch.as_tensor(bootstrap)] = policy.value(to_torch(final, device)).float().cpu()
             buffer.truncations.append((torch.as_tensor(t * buffer.N + bootstrap), final))
-        episodes += _ended_episodes(state, reward, terminated | truncated, info)
+        episodes += _ended_episodes(state, reward, terminated | truncated, info, env_id)
         state.obs = obs
     buffer.last_obs = {k: torch.as_tensor(v).clone() for k, v in state.obs.items()}
     return episodes
 
 
-def _ended_episodes(state: RolloutState, reward: np.ndarray, ended: np.ndarray, info: dict) -> list[dict]:
+def _ended_episodes(state: RolloutState, reward: np.ndarray, ended: np.ndarray, info: dict,
+                    env_id: str = "?") -> list[dict]:
     """Add this step's reward to every env's running episode; return the episodes that ended."""
     state.episode_return += reward
     state.episode_length += 1
@@ -128,7 +132,7 @@ def _ended_episodes(state: RolloutState, reward: np.ndarray, ended: np.ndarray, 
     for i in np.flatnonzero(ended):
         success = float("nan")
         if "is_success" in final_info and final_info.get("_is_success", np.ones(1, bool))[i]:
-            success = float(final_info["is_success"][i])
+            success = success_of(final_info["is_success"][i], env_id)
         episodes.append({"return": float(state.episode_return[i]), "length": int(state.episode_length[i]),
                          "success": success})
         state.episode_return[i] = 0.0

@@ -17,7 +17,7 @@ import secrets
 import signal
 import threading
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -41,7 +41,8 @@ from visppo.builders import (
 )
 from visppo.config import Config, to_yaml
 from visppo.encoders import FreezeSchedule
-from visppo.envs import check_env_id, make_vector_env
+from visppo.env_check import check_env
+from visppo.envs import check_env_id, make_env, make_vector_env, preload_before_gl
 from visppo.errors import ConfigError, RunError, Stopped
 from visppo.evaluate import run_episodes
 from visppo.health import PROBE_SAMPLES, activation_health, probe_index
@@ -161,6 +162,7 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
                           else ctx.place(resolve_device(cfg.rollout.device, "rollout.device"), "rollout.device"))
         precision = for_run(cfg.train, device, rollout_device)
         check_memory(cfg, device if cfg.memory.buffer_device == "device" else torch.device("cpu"), device)
+        check_user_env(cfg)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         seed_everything(cfg.train.seed, cfg.train.deterministic, device)  # the same model on every rank
@@ -174,14 +176,23 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
         run.signals = signals
         if ctx.is_main:
             if resume is None:
+                created = not run_dir.exists()
                 stack.enter_context(ckpt_io.run_dir_lock(run_dir))
                 check_run_dir(run_dir)  # again, under the lock: another process may have started here
+                stack.enter_context(forget_if_unstarted(run_dir, created))
             open_logs(run, resume is not None)
             stack.callback(run.logger.close)
             run.profiler = iteration_profiler(run_dir) if cfg.train.profile else None
         with run.profiler or _nothing():
             signals.armed = True
             yield run
+
+
+def check_user_env(cfg: Config) -> None:
+    """The env's spaces, one reset and one step (visppo.env_check), before anything is written and
+    before the run's seeds are set (the check draws from nothing the run uses)."""
+    preload_before_gl()  # before the check env's GL context (see envs.preload_before_gl)
+    check_env(cfg, make_env)
 
 
 def close_envs(envs: gym.vector.VectorEnv) -> None:
@@ -196,14 +207,40 @@ def close_envs(envs: gym.vector.VectorEnv) -> None:
 @contextmanager
 def disk_errors(run_dir: Path) -> Iterator[None]:
     """A full disk (or quota) while writing checkpoints or logs: one RunError. Writes are atomic,
-    so what is on disk stays readable and the run resumes from its last checkpoint."""
+    so what is on disk stays readable and the run resumes from its last checkpoint (if it wrote
+    one; else it starts again)."""
     try:
         yield
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        raise RunError(f"no space left on the device writing {exc.filename or run_dir}: free some space, then "
-                       f"resume with visppo train --resume {run_dir} (its last checkpoint is complete)") from None
+        then = (f"resume with visppo train --resume {run_dir} (its last checkpoint is complete)"
+                if has_checkpoint(run_dir) else "start the run again (it had written no checkpoint)")
+        raise RunError(f"no space left on the device writing {exc.filename or run_dir}: free some space, "
+                       f"then {then}") from None
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a checkpoint a resume can start from."""
+    folder = run_dir / "checkpoints"
+    return (folder / "latest.pt").is_file() or any(folder.glob("iter_*.pt"))
+
+
+@contextmanager
+def forget_if_unstarted(run_dir: Path, created: bool) -> Iterator[None]:
+    """A new run that ends (an error, a signal) before it logged a row or wrote a checkpoint leaves
+    nothing behind: its config.yaml and lock file go (and the directory, if the run made it), so
+    the same run.dir starts afresh rather than asking for a resume that has nothing to resume."""
+    try:
+        yield
+    except BaseException:
+        if not (run_dir / "metrics.csv").exists() and not (run_dir / "checkpoints").exists():
+            for name in ("config.yaml", ckpt_io.LOCK_FILE):
+                (run_dir / name).unlink(missing_ok=True)
+            if created:
+                with suppress(OSError):  # not empty: the user's files stay
+                    run_dir.rmdir()
+        raise
 
 
 class SignalRequest:
@@ -251,9 +288,6 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
     """Policy, optimizer, buffer and the update's setup; every state from ``resume`` restored."""
     policy = build_policy(cfg, envs.single_observation_space, envs.single_action_space, device,
                           load_weights=resume is None)  # a resumed run takes the checkpoint's
-    if policy.discrete and cfg.model.final_log_std is not None:
-        raise ConfigError("model.final_log_std schedules a Gaussian's std, and this env's actions are "
-                          "discrete: remove model.final_log_std")
     optimizer = build_optimizer(cfg, policy)
     seed = distributed.rank_seed(cfg.train.seed, ctx.rank)  # the seed itself on rank 0
     generator = torch.Generator().manual_seed(seed)  # minibatch order, apart from acting
@@ -295,6 +329,8 @@ def open_logs(run: Run, resuming: bool) -> None:
     run.logger = Logger(run.dir, run.num_iterations * run.global_rollout, initial_step=run.global_step,
                         tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
                         tracker=open_tracker(cfg, run.dir, resuming))
+    if resuming:  # the directory says what the run now is (a raised ppo.total_steps): tools read it
+        atomic_write_text(run.dir / "config.yaml", to_yaml(cfg))
     run.logger.message(
         f"visppo: {'resuming' if resuming else 'run directory'} {run.dir}  (train on {run.device}, act on "
         f"{run.rollout_device}, amp {run.precision.update.name}, {run.num_iterations} iterations of "
@@ -320,10 +356,18 @@ RUN_FILES = ("config.yaml", "metrics.csv", "checkpoints")
 
 def check_run_dir(run_dir: Path) -> None:
     """Refuse a run directory we could not write, or one that already holds (part of) a run."""
+    long = [part for part in run_dir.parts if len(os.fsencode(part)) > 255]
+    if long:  # every file system's limit on one name: checked before exists() raises on it
+        raise ConfigError(f"run.dir {run_dir}: the name {long[0][:40]}... is {len(os.fsencode(long[0]))} bytes long "
+                          "(at most 255): choose a shorter run.dir")
     found = [name for name in RUN_FILES if (run_dir / name).exists()]
     if found:
-        resume = (f"resume it with visppo train --resume {run_dir}" if "config.yaml" in found
-                  else "move them away")
+        if "config.yaml" in found and has_checkpoint(run_dir):
+            resume = f"resume it with visppo train --resume {run_dir}"
+        elif "config.yaml" in found:
+            resume = "delete it (it stopped before its first checkpoint: there is nothing to resume)"
+        else:
+            resume = "move them away"
         raise ConfigError(f"run.dir {run_dir} already holds a run ({', '.join(found)}): choose another "
                           f"run.dir, or {resume}")
     parent = run_dir

@@ -1,0 +1,147 @@
+"""A user's own env (``env.id=module:EnvId``): checked once before any run directory is made
+(spaces, one reset, one step), and its failures during a run reported as the env's.
+
+``tests/broken_envs.py`` is the user's module: one env whose ``env.kwargs.defect`` picks what is
+wrong with it and ``env.kwargs.at`` from which call (resets and steps, counted over its life).
+"""
+
+from __future__ import annotations
+
+import random
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from broken_envs import DEFECTS
+from conftest import one_error_line, run_main, tiny_overrides
+
+from visppo.config import load_config
+from visppo.env_check import check_env, validate_spaces
+from visppo.errors import ConfigError
+
+START = [d for d in DEFECTS if d != "none"]
+"""Every defect, shown from the first call: the start check finds it."""
+RUNTIME = [d for d in DEFECTS if d.startswith("step_") and d not in ("step_not_tuple", "step_four_tuple",
+                                                                       "step_info_not_dict", "step_terminated_str",
+                                                                       "step_reward_str", "step_reward_array")]
+"""Defects that a run meets mid-rollout (shown from a later step) and must name as the env's; the
+others there are gymnasium's vector env's to refuse (it raises, and worker_errors names the env)."""
+
+
+def overrides(tmp_path, defect: str, at: int = 0, env: str = "BrokenUnchecked-v0", **extra) -> list[str]:
+    return tiny_overrides(tmp_path, **{"env.id": f"broken_envs:{env}", "env.pixels": "false", "env.state": "true",
+                                       "env.kwargs.defect": defect, "env.kwargs.at": at, "ppo.total_steps": 64,
+                                       **extra})
+
+
+def nothing_half_written(run_dir) -> None:
+    """No run directory, or one whose files are all complete (no temporary file, a loadable latest.pt)."""
+    if not run_dir.exists():
+        return
+    names = {p.name for p in run_dir.rglob("*")}
+    assert not [n for n in names if n.endswith(".tmp")], names
+    latest = run_dir / "checkpoints" / "latest.pt"
+    if latest.exists():
+        torch.load(latest, weights_only=True)
+
+
+def fuzz_cases() -> list[tuple[str, str, int]]:
+    """(env id, defect, at): every defect at the start under visppo's check alone, a sample of them
+    behind gymnasium's own passive checker, and a sample of mid-run ones at random calls of the
+    first rollout (each env makes about 35: a reset, 32 steps, autoresets)."""
+    rng = random.Random(59)
+    cases = [("BrokenUnchecked-v0", d, 0) for d in START]
+    cases += [("Broken-v0", d, 0) for d in rng.sample(START, 8)]
+    cases += [(rng.choice(["Broken-v0", "BrokenUnchecked-v0"]), d, rng.randint(3, 30)) for d in rng.sample(RUNTIME, 4)]
+    return cases
+
+
+@pytest.mark.parametrize(("env", "defect", "at"), fuzz_cases(), ids=lambda v: str(v))
+def test_fuzz_a_broken_user_env_is_one_error_line_and_leaves_nothing_half_written(tmp_path, capsys, env, defect, at):
+    code, err = run_main(capsys, "train", *overrides(tmp_path, defect, at, env))
+    if at == 0:  # the start check: bad input, nothing written
+        assert code == 2, err
+        one_error_line(err, env)
+        assert not (tmp_path / "run").exists()
+    else:  # mid-run: the env's fault, exit 1, the env named
+        assert code == 1, err
+        one_error_line(err, "env broken_envs:")
+        nothing_half_written(tmp_path / "run")
+
+
+def test_a_healthy_user_env_passes_the_check_and_trains(tmp_path, capsys):
+    code, err = run_main(capsys, "train", *overrides(tmp_path, "none", env="Broken-v0"))
+    assert code == 0, err
+    assert (tmp_path / "run" / "checkpoints" / "latest.pt").is_file()
+
+
+@pytest.mark.parametrize("defect", ["step_reward_nan"])
+def test_an_env_failing_in_iteration_2_keeps_the_checkpoint_of_iteration_1(tmp_path, capsys, defect):
+    args = overrides(tmp_path, defect, 40, **{"ppo.total_steps": 128, "run.checkpoint_every": 1})
+    code, err = run_main(capsys, "train", *args)
+    assert code == 1, err
+    one_error_line(err, "env broken_envs:BrokenUnchecked-v0")
+    assert torch.load(tmp_path / "run" / "checkpoints" / "latest.pt", weights_only=True)["global_step"] == 64
+    nothing_half_written(tmp_path / "run")
+
+
+@pytest.mark.parametrize("during", ["periodic", "eval"])
+def test_an_env_failing_during_evaluation_is_the_envs_error(tmp_path, capsys, during):
+    if during == "periodic":  # the run's iteration 1 is checkpointed, then its periodic evaluation meets the defect
+        args = overrides(tmp_path, "step_raises", 40, **{"run.eval_every": 1, "run.checkpoint_every": 1,
+                                                         "ppo.total_steps": 128})
+        code, err = run_main(capsys, "train", *args)
+    else:  # visppo eval of a finished run in an env that now fails at its 5th step
+        code, err = run_main(capsys, "train", *overrides(tmp_path, "none"))
+        assert code == 0, err
+        code, err = run_main(capsys, "eval", tmp_path / "run", "env.kwargs.defect=step_raises", "env.kwargs.at=5")
+    assert code == 1, err
+    one_error_line(err, "env broken_envs:BrokenUnchecked-v0", "joint 3 over its torque limit")
+    nothing_half_written(tmp_path / "run")
+
+
+@pytest.mark.parametrize("defect", ["step_reward_none", "step_reward_inf"])
+def test_item6_non_finite_env_output_mid_run_names_the_env_not_a_divergence(tmp_path, capsys, defect):
+    code, err = run_main(capsys, "train", *overrides(tmp_path, defect, 30))
+    assert code == 1, err
+    line = one_error_line(err, "env broken_envs:BrokenUnchecked-v0 returned a non-finite")
+    assert "diverged" not in line and "learning_rate" not in line
+
+
+# --------------------------------------------------------------------------- validate_spaces
+
+
+def _cfg(**extra):
+    return load_config(None, [f"{k}={v}" for k, v in {"env.state": "true", **extra}.items()])
+
+
+IMAGE = gym.spaces.Box(0, 255, (8, 8, 3), np.uint8)
+STATE = gym.spaces.Box(-1, 1, (2,), np.float32)
+
+
+@pytest.mark.parametrize(("obs", "action", "needle"), [
+    (gym.spaces.Dict({"image": IMAGE, "state": STATE}), gym.spaces.Discrete(2), "no 'pixels' key"),
+    (gym.spaces.Dict({"pixels": IMAGE}), gym.spaces.Discrete(2), "no state vector"),
+    (gym.spaces.Dict({"pixels": IMAGE, "state": gym.spaces.Discrete(2)}), gym.spaces.Discrete(2), "not a Box"),
+    (STATE, gym.spaces.Discrete(2), "not an image"),
+    (gym.spaces.Dict({"pixels": IMAGE, "state": STATE}), gym.spaces.MultiDiscrete([2, 2]), "not supported"),
+    (gym.spaces.Dict({"pixels": IMAGE, "state": STATE}), gym.spaces.Box(-1, 1, (2, 2)), "1-D float Box"),
+    (gym.spaces.Dict({"pixels": IMAGE, "state": STATE}), gym.spaces.Discrete(3, start=-1), "starts at -1"),
+])
+def test_validate_spaces_names_what_visppo_cannot_act_in(obs, action, needle):
+    with pytest.raises(ConfigError, match=needle):
+        validate_spaces(obs, action, _cfg())
+
+
+def test_validate_spaces_refuses_a_std_schedule_for_discrete_actions():
+    ok = gym.spaces.Dict({"pixels": IMAGE, "state": STATE})
+    validate_spaces(ok, gym.spaces.Box(-1, 1, (2,)), _cfg(**{"model.final_log_std": -2}))
+    with pytest.raises(ConfigError, match="model.final_log_std"):
+        validate_spaces(ok, gym.spaces.Discrete(2), _cfg(**{"model.final_log_std": -2}))
+
+
+def test_visppo_tasks_pass_the_check():
+    from visppo.envs import make_env
+
+    check_env(load_config(None, ["env.id=visppo/DotReach-v0", "env.image_size=48"]), make_env)

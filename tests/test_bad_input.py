@@ -85,7 +85,7 @@ def test_item6_non_finite_weights_are_refused_by_resume_and_eval(run_copy, capsy
 
 def test_item15_divergence_before_any_checkpoint_names_none_and_no_amp_when_off(tmp_path, monkeypatch):
     import visppo.ppo as ppo_module
-    from visppo.train import train
+    from visppo.loop import train
 
     real = ppo_module.ppo_loss
 
@@ -159,7 +159,7 @@ def test_item12_a_bad_rollout_device_names_rollout_device(monkeypatch, capsys, t
 
 
 def test_item4_a_dead_worker_is_reported_not_hidden_by_close(tmp_path, monkeypatch):
-    import visppo.train as train_module
+    import visppo.loop as train_module
 
     real_make = train_module.make_vector_env
 
@@ -266,7 +266,7 @@ def test_item4_a_worker_killed_mid_run_is_one_error_line_and_the_checkpoint_stay
     import os
     import signal
 
-    import visppo.train as train_module
+    import visppo.loop as train_module
 
     real_collect, calls = train_module.collect_rollout, []
 
@@ -289,7 +289,7 @@ def test_item17_a_sigterm_while_the_run_starts_stops_it_at_once(tmp_path, capsys
     import os
     import signal
 
-    import visppo.train as train_module
+    import visppo.loop as train_module
 
     real_make = train_module.make_vector_env
 
@@ -355,7 +355,7 @@ def test_fuzz_every_config_starts_a_run_or_is_one_error_line(tmp_path, capsys, m
     or exits 2 with one `error:` line; never a traceback, a hang or another exit code."""
     import random
 
-    import visppo.train as train_module
+    import visppo.loop as train_module
     from visppo.config import field_docs
 
     def started(run):

@@ -334,7 +334,7 @@ def test_leaving_the_group_waits_for_the_other_ranks_only_after_a_clean_run(clea
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_a_run_leaves_its_group_cleanly_only_when_it_did_not_fail(fails, tmp_path, monkeypatch):
-    import visppo.train as train_module
+    import visppo.loop as train_module
 
     left = []
     monkeypatch.setattr(distributed, "init", lambda ctx, device, timeout=None: True)  # "joined"
@@ -359,7 +359,7 @@ def test_one_process_makes_no_process_group_and_no_collectives(tmp_path, monkeyp
     monkeypatch.setattr(torch.distributed, "init_process_group", refuse)
     monkeypatch.setattr(distributed, "reduce_minibatch", refuse)
     monkeypatch.setattr(distributed, "mean_std", refuse)
-    from visppo.train import train
+    from visppo.loop import train
 
     train(load_config(None, tiny_overrides(tmp_path)))
     assert distributed.Context.from_env() == distributed.Context(0, 1, 0, 1)

@@ -17,7 +17,7 @@ from visppo.checkpoint import CheckpointError
 from visppo.config import load_config
 from visppo.errors import ConfigError, UserError
 from visppo.evaluate import evaluate, format_result
-from visppo.train import train
+from visppo.loop import train
 
 EPISODE_LENGTH = 50  # visppo/DotReach-v0's registered time limit
 IMAGE_SIZE = 48  # tiny_overrides' env.image_size

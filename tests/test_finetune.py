@@ -16,9 +16,9 @@ from visppo.builders import build_optimizer, build_policy
 from visppo.config import ModelConfig, PPOConfig, load_config
 from visppo.encoders import FreezeSchedule
 from visppo.errors import ConfigError
+from visppo.loop import train
 from visppo.policy import ActorCritic
 from visppo.ppo import minibatch_gradient
-from visppo.train import train
 
 CPU = torch.device("cpu")
 BOX = gym.spaces.Box(-1, 1, (2,), np.float32)

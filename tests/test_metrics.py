@@ -92,7 +92,7 @@ def wandb_records(run_file):
 def test_wandb_offline_run_holds_every_csv_metric_the_config_and_the_videos(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason='the wandb extra (pip install -e ".[wandb]")')
     from visppo.config import load_config, to_dict
-    from visppo.train import train
+    from visppo.loop import train
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -13,7 +13,7 @@ from conftest import one_error_line, run_main, tiny_overrides
 import visppo.checkpoint as ckpt_module
 from visppo.checkpoint import load, run_dir_lock
 from visppo.config import load_config
-from visppo.train import default_run_dir
+from visppo.loop import default_run_dir
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def test_the_lock_of_a_sigkilled_process_never_blocks(tmp_path):
 
 
 def test_the_lock_is_released_when_a_run_fails(tmp_path, monkeypatch):
-    from visppo.train import train
+    from visppo.loop import train
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device", "latest.pt")
@@ -125,7 +125,7 @@ def test_default_run_dirs_started_in_the_same_second_differ():
 
 SLOW_ITERATIONS = """
 import sys, time
-import visppo.train as t
+import visppo.loop as t
 real = t.collect_rollout
 def slow(run):
     time.sleep(1.0)

@@ -13,7 +13,7 @@ import torch
 from conftest import one_error_line, run_main, tiny_overrides
 
 import visppo.atomic as atomic_module
-import visppo.train as train_module
+import visppo.loop as train_module
 from visppo.metrics import Logger
 
 

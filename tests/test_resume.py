@@ -15,7 +15,7 @@ from conftest import tiny_overrides
 import visppo.checkpoint as ckpt_module
 from visppo.checkpoint import load, load_for_resume
 from visppo.config import load_config
-from visppo.train import train
+from visppo.loop import train
 
 # episodes of 16 steps, rollouts of 32: every iteration starts on fresh episodes
 EXACT = {"env.max_episode_steps": 16, "ppo.total_steps": 256, "run.checkpoint_every": 1,

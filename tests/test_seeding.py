@@ -68,7 +68,7 @@ def test_an_env_seeds_its_episodes_in_its_stream():
 def test_training_resets_its_envs_with_the_derived_seeds(tmp_path):
     from conftest import tiny_overrides
 
-    from visppo.train import start_run
+    from visppo.loop import start_run
 
     cfg = load_config(None, tiny_overrides(tmp_path / "run", **{"train.seed": 4}))
     with start_run(cfg, None) as run:

@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_overrides
 
 from visppo.config import load_config
-from visppo.train import train
+from visppo.loop import train
 
 
 def _final_params(run_dir):
@@ -67,7 +67,7 @@ def test_learns_the_synthetic_task(tmp_path):
 
 def test_split_devices_act_with_a_copy_synced_once_per_iteration(tmp_path, monkeypatch):
     """rollout.device != train.device: collect uses the copy; one sync per iteration, not per step."""
-    import visppo.train as train_module
+    import visppo.loop as train_module
     from visppo.rollout import ActingCopy
 
     real_resolve = train_module.resolve_device
@@ -186,7 +186,7 @@ def test_norm_reward_hands_the_update_the_same_rewards_whatever_the_task_scale()
 
     from visppo import distributed
     from visppo.buffer import ReturnScale, RolloutBuffer
-    from visppo.train import scale_rewards
+    from visppo.loop import scale_rewards
 
     space = gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (3, 8, 8), np.uint8)})
     act = gym.spaces.Box(-1, 1, (2,), np.float32)
@@ -232,7 +232,7 @@ def test_without_a_schedule_the_log_std_is_learned(tmp_path):
 def test_a_flat_critic_is_reported_once_after_20_iterations_in_a_row():
     from types import SimpleNamespace
 
-    from visppo.train import warn_if_flat_critic
+    from visppo.loop import warn_if_flat_critic
 
     said = []
     run = SimpleNamespace(flat_critic=0, logger=SimpleNamespace(message=said.append))

@@ -71,7 +71,7 @@ def training_figures(cfg: Config, iterations: int) -> dict[str, float]:
     """One short ``visppo train`` run; medians over its iterations after the first."""
     import torch
 
-    from visppo.train import train
+    from visppo.loop import train
 
     with tempfile.TemporaryDirectory() as tmp:
         run = dataclasses.replace(cfg.run, dir=str(Path(tmp) / "run"), progress=False, tensorboard=False,

@@ -43,8 +43,8 @@ def train(config: str | os.PathLike | Mapping | Config | None = None, *,
     Bad input raises :class:`visppo.config.ConfigError` before anything is written.
     """
     cfg = make_config(config, overrides, env)
-    from visppo.train import default_run_dir
-    from visppo.train import train as run_loop
+    from visppo.loop import default_run_dir
+    from visppo.loop import train as run_loop
 
     if env is not None and not cfg.run.dir:
         cfg.run.dir = str(default_run_dir(cfg))  # known now: policy.json goes there even if stopped

@@ -37,7 +37,7 @@ def _split(args: list[str]) -> tuple[str | None, list[str]]:
 
 def cmd_train(ns: argparse.Namespace) -> int:
     from visppo.checkpoint import load_for_resume
-    from visppo.train import train
+    from visppo.loop import train
 
     if ns.resume:
         if ns.args and "=" not in ns.args[0]:

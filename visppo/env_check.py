@@ -34,6 +34,12 @@ def _first_line(exc: BaseException) -> str:
 # --------------------------------------------------------------------------- spaces
 
 
+def is_image_space(space: Any) -> bool:
+    """An image (uint8 HxWxC Box), or a Dict holding one under "pixels"."""
+    pix = space["pixels"] if isinstance(space, gym.spaces.Dict) and "pixels" in space.spaces else space
+    return isinstance(pix, gym.spaces.Box) and pix.dtype == np.uint8 and len(pix.shape) == 3
+
+
 def check_observation_space(space: Any, keep_state: bool, env_name: str) -> gym.spaces.Box:
     """The image space of an env's observations (HxWxC uint8 Box, alone or under "pixels" of a
     Dict, with a "state" Box when ``keep_state``); else a ConfigError saying what to change."""
@@ -44,11 +50,11 @@ def check_observation_space(space: Any, keep_state: bool, env_name: str) -> gym.
         raise ConfigError(f"env {env_name}: its Dict observation has no 'pixels' key (it has "
                           f"{', '.join(map(repr, space.spaces))}): name the camera image 'pixels' (and the "
                           "vector 'state'), or set env.pixels=true to render frames")
-    pix = space["pixels"] if isinstance(space, gym.spaces.Dict) else space
-    if not (isinstance(pix, gym.spaces.Box) and pix.dtype == np.uint8 and len(pix.shape) == 3):
+    if not is_image_space(space):
         raise ConfigError(
             f"env {env_name}: its observation {space} is not an image (uint8 HxWxC): set env.pixels=true to "
             "render frames, or pick an env with image observations")
+    pix = space["pixels"] if isinstance(space, gym.spaces.Dict) else space
     if keep_state:
         if not isinstance(space, gym.spaces.Dict) or "state" not in space.spaces:
             raise ConfigError(f"env.state=true but {env_name} gives no state vector")

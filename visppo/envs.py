@@ -25,7 +25,7 @@ import numpy as np
 
 from visppo import seeding
 from visppo.config import Config
-from visppo.env_check import check_observation_space
+from visppo.env_check import check_observation_space, is_image_space
 from visppo.errors import ConfigError, RunError
 from visppo_envs._gl import ensure_headless_gl
 
@@ -97,12 +97,6 @@ class FrameStack:
         if self.keep_state:
             out["state"] = np.asarray(obs["state"], dtype=np.float32).reshape(-1)
         return out
-
-
-def is_image_space(space: gym.Space) -> bool:
-    """An image (uint8 HxWxC Box), or a dict holding one under "pixels"."""
-    pix = space["pixels"] if isinstance(space, gym.spaces.Dict) and "pixels" in space.spaces else space
-    return isinstance(pix, gym.spaces.Box) and pix.dtype == np.uint8 and len(pix.shape) == 3
 
 
 class PixelDict(gym.ObservationWrapper):

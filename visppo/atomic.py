@@ -17,9 +17,18 @@ from typing import IO
 
 def file_mode() -> int:
     """The mode a plain ``open()`` would give a new file; ``mkstemp`` makes 0600 ones."""
-    mask = os.umask(0)
+    return 0o666 & ~_umask()
+
+
+def dir_mode() -> int:
+    """The mode a plain ``mkdir`` would give a new folder; ``mkdtemp`` makes 0700 ones."""
+    return 0o777 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading the umask means setting it: put it straight back
     os.umask(mask)
-    return 0o666 & ~mask
+    return mask
 
 
 def atomic_write(path: Path, write: Callable[[IO], None], binary: bool) -> None:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from visppo import extras, seeding
-from visppo.atomic import atomic_write_text
+from visppo.atomic import atomic_write_text, dir_mode
 from visppo.config import to_yaml
 from visppo.deploy import CONFIG_FILE, SPEC_FILE, WEIGHTS_FILE, Policy, load_policy
 from visppo.errors import ConfigError
@@ -90,13 +90,6 @@ def export(source: str | Path, out: str | Path, fmt: str = "folder") -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def dir_mode() -> int:
-    """The mode a plain ``mkdir`` would give a new folder."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o777 & ~mask
 
 
 def check_out(out: Path) -> Path:

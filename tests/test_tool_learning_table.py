@@ -28,7 +28,7 @@ lt = load_tool("learning_table")
 
 
 def fake_run(run_dir: Path, env_id: str, total: int, rows: list[tuple], look: str | None = None,
-             final: float | None = None, episodes: int = 10) -> None:
+             final: float | None = None, episodes: int = 10, success: float | None = None) -> None:
     """A run folder as visppo train and eval leave it: config.yaml, metrics.csv, final_eval.json."""
     run_dir.mkdir(parents=True)
     kwargs = f"  kwargs:\n    look: {look}\n" if look else ""
@@ -37,7 +37,8 @@ def fake_run(run_dir: Path, env_id: str, total: int, rows: list[tuple], look: st
     lines += [f"{s},{r},{ok},100.0" for s, r, ok in rows]
     (run_dir / "metrics.csv").write_text("\n".join(lines) + "\n")
     if final is not None:
-        (run_dir / "final_eval.json").write_text(json.dumps({"mean_return": final, "episodes": episodes}))
+        (run_dir / "final_eval.json").write_text(json.dumps({"mean_return": final, "episodes": episodes,
+                                                             "success_rate": success}))
 
 
 def table(capsys, *args) -> tuple[int, str, str]:
@@ -157,7 +158,8 @@ def dmc_runs(out: Path, scores=IQM_SCORES, look: str | None = "fast") -> None:
 def test_final_table_gives_mean_std_seeds_look_budget_and_the_published_figures(tmp_path, capsys):
     out = tmp_path / "table"
     dmc_runs(out)
-    fake_run(out / "reach" / "seed1", "visppo/Reach-v0", 4000, [(4096, 5.0, 1.0)], final=7.5, episodes=3)
+    fake_run(out / "reach" / "seed1", "visppo/Reach-v0", 4000, [(4096, 5.0, 1.0)], final=7.5, episodes=3,
+             success=2 / 3)
     fake_run(out / "reach" / "seed2", "visppo/Reach-v0", 4000, [(2048, 5.0, 1.0)])  # not finished: no final
     md = tmp_path / "t.md"
     code, text, err = table(capsys, out, "--at", "500k", "--reps", "200", "--markdown", md)
@@ -166,10 +168,12 @@ def test_final_table_gives_mean_std_seeds_look_budget_and_the_published_figures(
     final = {r[0].removeprefix("| "): r for r in rows_of(text, "") if r[2] in ("fast", "default")}
     assert final["dmc_cartpole_swingup"][1:7] == ["`dmc:cartpole-swingup`", "fast", "500,000", "2", "10",
                                                   "505.00 ± 700.04"]
-    assert final["dmc_cartpole_swingup"][7] == "SB3 PPO CnnPolicy 596 (MR.Q, Table 6); DrQ-v2 864 (MR.Q, Table 6) |"
-    assert final["dmc_reacher_hard"][6] == "45.00 ± 7.07" and "DrQ-v2 705" in final["dmc_reacher_hard"][7]
+    assert final["dmc_cartpole_swingup"][7:9] == [  # the suite reports no success: that cell stays empty
+        "", "SB3 PPO CnnPolicy 596 (MR.Q, Table 6); DrQ-v2 864 (MR.Q, Table 6) |"]
+    assert final["dmc_reacher_hard"][6] == "45.00 ± 7.07" and "DrQ-v2 705" in final["dmc_reacher_hard"][8]
     # no look in the config: the default look; one seed evaluated of two; its own episode count
-    assert final["reach"][1:8] == ["`visppo/Reach-v0`", "default", "4,000", "1", "3", "7.50 ± 0.00", " |"]
+    assert final["reach"][1:9] == ["`visppo/Reach-v0`", "default", "4,000", "1", "3", "7.50 ± 0.00", "0.67 ± 0.00",
+                                   " |"]
     # the curve table is still there, beside it
     assert rows_of(text, "dmc_walker_walk")[0][2:5] == ["500,000", "2", "45.00 ± 35.36"]
 

@@ -307,9 +307,11 @@ def final_results(outs: list[Path]) -> list[dict]:
         env_id, look, budget = run_env(evaluated[0])
         results = {d.name: json.loads((d / FINAL_EVAL).read_text()) for d in evaluated}
         seeds = {name: float(r["mean_return"]) for name, r in results.items()}
+        rates = [r.get("success_rate") for r in results.values()]
+        success = mean_std([float(v) for v in rates]) if all(v is not None for v in rates) else None
         table.append({"config": label(config, variant), "task": config, "variant": variant,
                       "env": env_id, "look": look or "default", "budget": budget,
-                      "seeds": seeds, "return": mean_std(list(seeds.values())),
+                      "seeds": seeds, "return": mean_std(list(seeds.values())), "success": success,
                       "episodes": sorted({int(r.get("episodes", 0)) for r in results.values()}),
                       "published": published_at(env_id, budget)})
     return table
@@ -393,15 +395,16 @@ def final_markdown(final: list[dict], summaries: list[dict], per_seed: bool = Fa
     """The final-policy table, then one IQM line per variant."""
     lines = [f"Final policy: `visppo eval RUN --deterministic --seed {EVAL_SEED}`, the mean return "
              "of each run's episodes, then mean ± std over seeds.", "",
-             "| config | env | look | budget | seeds | episodes | final return | published |",
-             "|" + " --- |" * 8]
+             "| config | env | look | budget | seeds | episodes | final return | final success | published |",
+             "|" + " --- |" * 9]
     for r in final:
         text = cell(r["return"])
         if per_seed:
             text += " (" + ", ".join(f"{v:.3g}" for v in r["seeds"].values()) + ")"
         episodes = "-".join(str(n) for n in dict.fromkeys((r["episodes"][0], r["episodes"][-1])))
         lines.append(f"| {r['config']} | `{r['env']}` | {r['look']} | {r['budget']:,} | "
-                     f"{len(r['seeds'])} | {episodes} | {text} | {published_text(r['published'])} |")
+                     f"{len(r['seeds'])} | {episodes} | {text} | {cell(r['success']) if r['success'] else ''} | "
+                     f"{published_text(r['published'])} |")
     for s in summaries:
         lines += ["", iqm_line(s)]
     return "\n".join(lines)

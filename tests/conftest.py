@@ -93,17 +93,11 @@ def train_short(config: str | None, steps: int, tmp_path: Path, overrides: tuple
     """Train ``configs/<config>`` (None: the default task) for ``steps`` steps through the
     CLI, seed 1; the logged training returns (mean of the last 100 episodes, per iteration).
 
-    The learning rate is not annealed, and a log-std schedule (``model.final_log_std``) stops
-    where the full run's is at ``steps``, so the run follows the first ``steps`` of the full
+    The learning rate is not annealed, so the run follows the first ``steps`` of the full
     config's run rather than a compressed copy of it. ``overrides`` go after the config's.
     """
     run_dir = tmp_path / "run"
     config_args = [str(REPO / "configs" / config)] if config else []
-    full = load_config(config_args[0] if config_args else None, list(overrides))
-    if full.model.final_log_std is not None:
-        m = full.model
-        reached = m.init_log_std + (m.final_log_std - m.init_log_std) * steps / full.ppo.total_steps
-        config_args.append(f"model.final_log_std={reached}")
     cmd = [sys.executable, "-m", "visppo", "train", *config_args, *overrides, f"ppo.total_steps={steps}",
            "ppo.anneal_lr=false", f"run.dir={run_dir}", "run.progress=false", "run.tensorboard=false",
            "run.checkpoint_every=1000", "train.seed=1", "train.threads=1"]

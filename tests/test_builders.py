@@ -2,7 +2,7 @@
 
 import torch
 
-from visppo.augment import RandomRotate, RandomShift
+from visppo.augment import RandomShift
 from visppo.builders import build_augmentation
 from visppo.config import load_config
 
@@ -23,7 +23,6 @@ def test_no_augmentation_builds_nothing():
 def test_the_augmentation_is_the_configs_and_seeded_by_run_seed_and_rank():
     shift = build_augmentation(_cfg("model.augment=shift", "model.shift_pad=3"))
     assert isinstance(shift, RandomShift) and shift.pad == 3
-    assert isinstance(build_augmentation(_cfg("model.augment=rotate", "model.rotate_degrees=45")), RandomRotate)
     cfg = _cfg("model.augment=shift", "train.seed=5")
     same = [_draws(build_augmentation(cfg, rank=0)) for _ in range(2)]
     assert torch.equal(*same)  # a run, and its resumption's rebuild, draw the same shifts

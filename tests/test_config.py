@@ -110,6 +110,7 @@ RETIRED = {  # issue 55: the keys removed on 2026-12-03, their old defaults and 
     "model.invdyn": (False, True), "ppo.invdyn_coef": (0.0, 1.0), "model.reward_head": (False, True),
     "ppo.reward_coef": (0.0, 1.0), "model.detach_actor": (False, True), "model.privileged_critic": (False, True),
     "model.action_dist": ("normal", "beta"), "model.noise_beta": (0.0, 0.5), "model.keypoint_norm": (0, 4096),
+    "ppo.drac_coef": (0.0, 0.1), "model.rotate_degrees": (180.0, 90), "model.final_log_std": (None, -1.6),
 }
 
 
@@ -133,3 +134,19 @@ def test_each_retired_key_is_refused_as_removed_and_dropped_at_its_old_default(t
     saved = to_dict(Config())
     saved[section][name] = old
     assert from_dict(saved) == Config()
+
+
+def test_model_augment_rotate_is_refused_as_removed(tmp_path, capsys):
+    """The value rotate (random turns) went on 2026-12-03: on the command line and in a saved
+    config it is refused with one line that names what to set instead."""
+    from visppo.cli import main
+
+    removed = r"model[.]augment=rotate \(.*\) was removed on 2026-12-03 .*set model[.]augment=shift"
+    with pytest.raises(ConfigError, match=removed):
+        load_config(None, ["model.augment=rotate", "ppo.augment_loss=true"])
+    code, err = main(["config", "model.augment=rotate"]), capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "was removed" in err, err
+    path = tmp_path / "old.yaml"
+    path.write_text("model:\n  augment: rotate\n  rotate_degrees: 180.0\nppo:\n  augment_loss: true\n")
+    with pytest.raises(ConfigError, match=removed + r".*old\.yaml"):
+        load_config(path)

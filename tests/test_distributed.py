@@ -44,11 +44,11 @@ SCENARIOS = {
     # approx-KL of the minibatches: 7.5e-4, 1.8e-3 (1.5e-3 on rank 1 alone, then 0.7e-3, 2.9e-3):
     # the update stops after one step, on both ranks; a per-rank check would stop rank 1 first
     "target_kl": ({"target_kl": 8e-4}, {}, 0),
-    "drac": ({"drac_coef": 0.1}, {"augment": "shift"}, 0),  # score_actions_augmented
+    "augment_loss": ({"augment_loss": True}, {"augment": "shift"}, 0),  # every loss on shifted frames
     # the returns' statistics over both ranks (std 2.3; rank 0's alone would be floored at 1)
     "norm_value": ({}, {"norm_value": True}, 0),
 }
-EQUIVALENT = ("micro", "freeze", "target_kl", "norm_value")  # DrAC's shifts are drawn per rank: not one process's
+EQUIVALENT = ("micro", "freeze", "target_kl", "norm_value")  # the shifts are drawn per rank: not one process's
 STEPS_PER_UPDATE = 6  # 2 epochs x 3 minibatches
 BACKWARDS_PER_UPDATE = 16  # 2 epochs x (3 + 3 + 2) micro-batches
 
@@ -140,7 +140,6 @@ def _rank_worker(rank: int, world: int, port: int, out: str) -> None:
 
         distributed.dist.all_reduce = counting_all_reduce
         policy.score_actions = counting(policy.score_actions)
-        policy.score_actions_augmented = counting(policy.score_actions_augmented)
         generator = torch.Generator().manual_seed(_minibatch_seed(rank))
         # as train() does (builders.build_augmentation): each rank its own shifts
         augment = make_augmentation(SCENARIOS[name][1].get("augment", "none"), 4,
@@ -240,7 +239,7 @@ def test_two_all_reduces_per_optimizer_step(two_ranks):
     """Micro-batches accumulate locally: the gradients of the 16 backward passes of an update are
     all-reduced 6 times, once per optimizer step, together with the minibatch statistics and the
     out-of-memory flag; the advantage mean and std are the only other all-reduce."""
-    for name in ("micro", "freeze", "drac"):
+    for name in ("micro", "freeze", "augment_loss"):
         counts = two_ranks[name]["counts"]
         assert counts["backwards"] == BACKWARDS_PER_UPDATE, name
         assert counts["gradient_all_reduces"] == STEPS_PER_UPDATE, (name, counts)
@@ -254,7 +253,7 @@ def test_two_all_reduces_per_optimizer_step(two_ranks):
 # episodes of 16 steps, rollouts of 32: every iteration starts on fresh episodes (exact resume)
 EXACT = {"env.max_episode_steps": 16, "ppo.total_steps": 384, "run.checkpoint_every": 1,
          "train.deterministic": "true", "ppo.minibatch_size": 24, "memory.micro_batch_size": 10,
-         "run.tensorboard": "true", "model.augment": "shift", "ppo.drac_coef": 0.1, "ppo.norm_reward": "true",
+         "run.tensorboard": "true", "model.augment": "shift", "ppo.augment_loss": "true", "ppo.norm_reward": "true",
          "model.norm_value": "true"}
 
 

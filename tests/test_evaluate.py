@@ -204,6 +204,33 @@ def test_an_old_checkpoint_with_retired_keys_and_heads_evaluates_resumes_and_giv
         assert torch.equal(value, ckpt["model"][f"encoder.pixels.{key}"]), key
 
 
+@pytest.mark.parametrize("section,name,value", [("ppo", "drac_coef", 0.1), ("model", "final_log_std", -1.6),
+                                                ("model", "rotate_degrees", 90.0), ("model", "augment", "rotate")])
+def test_an_old_checkpoint_that_used_a_retired_key_is_refused_with_its_line(ckpt, run_dir, tmp_path, capsys,
+                                                                           section, name, value):
+    """A checkpoint whose stored config used a key (or value) removed on 2026-12-03 is refused, by
+    eval and resume alike, with the one line that says it was removed; at the old defaults it loads
+    (the test above)."""
+    import shutil
+
+    from visppo.checkpoint import load_for_resume
+    from visppo.cli import main
+
+    config = {k: dict(v) if isinstance(v, dict) else v for k, v in ckpt["config"].items()}
+    config[section][name] = value
+    path = _save(tmp_path, {**ckpt, "config": config}, "old.pt")
+    removed = rf"{section}[.]{name}.* was removed on 2026-12-03"
+    with pytest.raises(UserError, match=removed):  # CheckpointError: the stored config cannot be used
+        evaluate(path, episodes=1)
+    code, err = main(["eval", str(path), "--episodes", "1"]), capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "was removed" in err, err
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    torch.save({**ckpt, "config": config}, copy / "checkpoints" / "latest.pt")
+    with pytest.raises(UserError, match=removed):
+        load_for_resume(copy, [])
+
+
 def test_missing_and_non_run_dirs(tmp_path):
     with pytest.raises(CheckpointError, match="not found"):
         evaluate(tmp_path / "nope", episodes=1)

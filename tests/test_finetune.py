@@ -259,12 +259,11 @@ def test_checkpointing_gives_the_same_gradients_in_theupdate_with():
     _assert_same_grads(*grads)
 
 
-@pytest.mark.parametrize("use", ["none", "drac", "loss", "rotate"])
+@pytest.mark.parametrize("use", ["none", "loss"])
 def test_accumulated_gradient_equals_full_minibatch_gradient_resnet(use):
-    policy, buf, aug = _setup_aug("resnet18", 32, "rotate" if use == "rotate" else "shift", 2, T=4, N=2)
+    policy, buf, aug = _setup_aug("resnet18", 32, "shift", 2, T=4, N=2)
     aug = aug if use != "none" else None
-    cfg = PPOConfig(clip_value=True, entropy_coef=0.01, drac_coef=0.5 if use == "drac" else 0.0,
-                    augment_loss=use in ("loss", "rotate"))
+    cfg = PPOConfig(clip_value=True, entropy_coef=0.01, augment_loss=use == "loss")
     mb = torch.randperm(buf.size, generator=torch.Generator().manual_seed(1))[:7]
     seed = 11 if use != "none" else None
     full, full_stats = _grads(policy, buf, mb, 7, cfg, seed, aug)
@@ -272,26 +271,23 @@ def test_accumulated_gradient_equals_full_minibatch_gradient_resnet(use):
     _assert_same_grads(full, acc, atol=1e-7)
     for k in full_stats:
         assert float(acc_stats[k]) == pytest.approx(float(full_stats[k]), rel=1e-5, abs=1e-7), k
-    assert ("drac_policy" in full_stats) == (use == "drac")
 
 
-@pytest.mark.parametrize("augment", ["shift", "rotate"])
-def test_augment_loss_is_the_ppo_gradient_on_the_minibatchs_shifted_frames(augment):
+def test_augment_loss_is_the_ppo_gradient_on_the_minibatchs_shifted_frames():
     """ppo.augment_loss (RAD): the update's gradient is the plain one on a copy of the frames shifted
-    (or turned) by the minibatch's draws; logp_old, values and returns stay the buffer's."""
-    policy, buf, aug = _setup_aug("nature", 48, augment, 4, T=4, N=2)
+    by the minibatch's draws; logp_old, values and returns stay the buffer's."""
+    policy, buf, aug = _setup_aug("nature", 48, "shift", 4, T=4, N=2)
     mb = torch.tensor([5, 0, 3, 6, 1, 2])
     aug.generator.manual_seed(7)
     offsets, _ = aug.draw_ahead(len(mb))
     moved = aug.apply(buf.flat(buf.obs["pixels"])[mb], offsets)
     assert not torch.equal(moved, buf.flat(buf.obs["pixels"])[mb])  # some sample is really moved
-    got, stats = _grads(policy, buf, mb, 4, PPOConfig(augment_loss=True, entropy_coef=0.01), seed=7, aug=aug)
+    got, _ = _grads(policy, buf, mb, 4, PPOConfig(augment_loss=True, entropy_coef=0.01), seed=7, aug=aug)
     shifted = buf.flat(buf.obs["pixels"]).clone()
     shifted[mb] = aug.apply(shifted[mb], offsets)
     buf.obs["pixels"].copy_(shifted.view(buf.obs["pixels"].shape))
-    want, want_stats = _grads(policy, buf, mb, 6, PPOConfig(entropy_coef=0.01))
+    want, _ = _grads(policy, buf, mb, 6, PPOConfig(entropy_coef=0.01))
     _assert_same_grads(got, want, atol=1e-7)
-    assert "drac_policy" not in stats
     plain, _ = _grads(policy, buf, mb, 6, PPOConfig(augment_loss=True, entropy_coef=0.01), seed=8, aug=aug)
     assert any(not torch.equal(plain[k], want[k]) for k in want)  # other draws, another gradient
 
@@ -322,29 +318,11 @@ def test_augmentation_is_applied_in_the_update_and_never_when_acting(monkeypatch
     assert calls == [] and torch.equal(aug.generator.get_state(), rng)
 
     mb = torch.arange(8)
-    _, stats = _grads(policy, buf, mb, 4, PPOConfig(drac_coef=0.1), aug=aug)
-    assert calls == [4, 4]  # each micro-batch of the update, on its augmented copy
-    assert float(stats["drac_policy"]) > 0 and float(stats["drac_value"]) > 0
+    _grads(policy, buf, mb, 4, PPOConfig(augment_loss=False), aug=aug)
+    assert calls == [] and torch.equal(aug.generator.get_state(), rng)  # no use: no draw
+    _grads(policy, buf, mb, 4, PPOConfig(augment_loss=True), aug=aug)
+    assert calls == [4, 4]  # each micro-batch of the update, on its shifted copy
     assert not torch.equal(aug.generator.get_state(), rng)
-    calls.clear()
-    _grads(policy, buf, mb, 4, PPOConfig(drac_coef=0.0), aug=aug)
-    assert calls == []
-    _, stats = _grads(policy, buf, mb, 4, PPOConfig(augment_loss=True), aug=aug)
-    assert calls == [4, 4] and "drac_policy" not in stats  # the loss's own frames, no second pass
-
-
-def test_one_pass_over_original_and_augmented_frames_equals_two():
-    policy, buf = _setup("resnet18", 32, T=2, N=2)
-    obs = {k: buf.flat(v) for k, v in buf.obs.items()}
-    aug = {**obs, "pixels": obs["pixels"].flip(-1)}
-    actions = buf.flat(buf.actions)
-    with torch.no_grad():
-        logp, entropy, value, dist, aug_dist, aug_value = policy.score_actions_augmented(obs, aug, actions)
-        ref_logp, ref_entropy, ref_value = policy.score_actions(obs, actions)
-        aug_logp, _, ref_aug_value = policy.score_actions(aug, actions)
-    for got, ref in [(logp, ref_logp), (entropy, ref_entropy), (value, ref_value),
-                     (aug_value, ref_aug_value), (aug_dist.log_prob(actions).sum(-1), aug_logp)]:
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 class _OOMAbove:
@@ -356,10 +334,10 @@ class _OOMAbove:
     def __getattr__(self, name):
         return getattr(self.policy, name)
 
-    def score_actions_augmented(self, obs, aug_obs, actions):
+    def score_actions(self, obs, actions):
         if len(actions) > self.limit:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return self.policy.score_actions_augmented(obs, aug_obs, actions)
+        return self.policy.score_actions(obs, actions)
 
 
 def test_an_oom_retry_draws_the_same_augmentation():
@@ -367,7 +345,7 @@ def test_an_oom_retry_draws_the_same_augmentation():
     from visppo.ppo import MemorySizes
 
     (policy, buf, aug), (ref, _, ref_aug) = _setup_aug(shift_pad=2), _setup_aug(shift_pad=2)
-    cfg = PPOConfig(num_epochs=1, minibatch_size=8, drac_coef=0.5)
+    cfg = PPOConfig(num_epochs=1, minibatch_size=8, augment_loss=True)
     sizes = MemorySizes(micro=8, chunk=8)
     with pytest.warns(RuntimeWarning, match="out of memory"):
         update_with(_OOMAbove(policy, 4), torch.optim.Adam(policy.parameters(), lr=1e-3), buf, cfg, sizes, None, torch.Generator().manual_seed(0),

@@ -85,19 +85,3 @@ def test_norm_value_maps_the_heads_normalised_output_back_to_return_units():
     torch.testing.assert_close(normed.value(obs), plain.value(obs) * 20.0 + 150.0)
     torch.testing.assert_close(normed.act(obs)[2], normed.value(obs))
     assert float(normed.value_scale()) == 20.0 and plain.value_scale() == 1.0
-
-
-
-
-def test_the_log_std_schedule_is_the_policys_and_linear_to_the_final_value():
-    """model.final_log_std: not learned; iteration k of N sets init + (final - init) * (k - 1) / N."""
-    box = gym.spaces.Box(-1, 1, (2,), np.float32)
-    scheduled = ActorCritic(OBS, box, ModelConfig(init_log_std=-0.5, final_log_std=-1.5))
-    assert not scheduled.log_std.requires_grad
-    for k, want in [(1, -0.5), (3, -1.0), (5, -1.5)]:
-        scheduled.schedule_log_std(k, 4)
-        torch.testing.assert_close(scheduled.log_std.detach(), torch.full((2,), want))
-    learned = ActorCritic(OBS, box, ModelConfig(init_log_std=-0.5))
-    learned.schedule_log_std(3, 4)  # no schedule: left to the optimizer
-    assert learned.log_std.requires_grad and torch.equal(learned.log_std.detach(), torch.full((2,), -0.5))
-    ActorCritic(OBS, gym.spaces.Discrete(3), ModelConfig()).schedule_log_std(2, 4)  # no std: nothing

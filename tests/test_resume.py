@@ -27,7 +27,7 @@ class Interrupted(Exception):
 
 
 @pytest.mark.parametrize("extra", [{}, {"ppo.norm_reward": "true"}, {"model.norm_value": "true"},
-                                   {"model.augment": "shift", "ppo.drac_coef": "0.1"}],
+                                   {"model.augment": "shift", "ppo.augment_loss": "true"}],
                          ids=["plain", "norm_reward", "norm_value", "augment"])
 def test_a_resumed_run_ends_with_the_same_parameters_as_an_uninterrupted_one(tmp_path, monkeypatch, extra):
     """With ppo.norm_reward the return statistics must be restored too: the scale after the cut

@@ -134,13 +134,6 @@ def test_validate_spaces_names_what_visppo_cannot_act_in(obs, action, needle):
         validate_spaces(obs, action, _cfg())
 
 
-def test_validate_spaces_refuses_a_std_schedule_for_discrete_actions():
-    ok = gym.spaces.Dict({"pixels": IMAGE, "state": STATE})
-    validate_spaces(ok, gym.spaces.Box(-1, 1, (2,)), _cfg(**{"model.final_log_std": -2}))
-    with pytest.raises(ConfigError, match="model.final_log_std"):
-        validate_spaces(ok, gym.spaces.Discrete(2), _cfg(**{"model.final_log_std": -2}))
-
-
 def test_visppo_tasks_pass_the_check():
     from visppo.envs import make_env
 

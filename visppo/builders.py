@@ -118,8 +118,7 @@ def build_augmentation(cfg: Config, rank: int = 0) -> Augmentation | None:
     (``train.seed``, ``rank``) so each rank draws its own and a run its same ones; the update
     draws from it (``UpdateSetup.augment``) and checkpoints save its generator per rank."""
     m = cfg.model
-    return make_augmentation(m.augment, m.shift_pad, m.rotate_degrees,
-                             seed=seeding.augment_seed(cfg.train.seed, rank))
+    return make_augmentation(m.augment, m.shift_pad, seed=seeding.augment_seed(cfg.train.seed, rank))
 
 
 def build_optimizer(cfg: Config, policy: ActorCritic) -> torch.optim.Adam:

@@ -31,7 +31,7 @@ from visppo.errors import ConfigError, RunError, Stopped, UserError  # noqa: F40
 TORCHVISION_ENCODERS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
 """model.encoder names built by torchvision (visppo.encoders knows how to cut each family)."""
 ENCODERS = ("nature", "impala", "drq", "spatial_softmax", *TORCHVISION_ENCODERS)
-AUGMENTATIONS = ("none", "shift", "rotate")
+AUGMENTATIONS = ("none", "shift")
 
 
 @dataclass
@@ -79,11 +79,9 @@ class ModelConfig:
     resize: int = 0
     """Resize frames to this side before a torchvision backbone (224 is ImageNet's); 0 keeps env.image_size."""
     augment: str = "none"
-    """none | shift | rotate: random shifts, or turns about the image centre, of the update's frames (never when acting), used by ppo.drac_coef or ppo.augment_loss. rotate only for scenes symmetric under the turn (a camera straight down the axis). (evidence: docs/learning.md)"""
+    """none | shift: random shifts of the update's frames (never when acting), for ppo.augment_loss. (evidence: docs/learning.md)"""
     shift_pad: int = 4
     """Largest shift in pixels for augment=shift (pad and random crop, as DrQ)."""
-    rotate_degrees: float = 180.0
-    """Largest turn either way for augment=rotate, in degrees (180: any angle)."""
     feature_dim: int = 256
     """Width of the encoder's output features."""
     hidden_dim: int = 256
@@ -98,8 +96,6 @@ class ModelConfig:
     """Initial log standard deviation of the Gaussian policy (Box actions); -0.5 is std 0.61. (evidence: docs/learning.md)"""
     norm_value: bool = False
     """The critic learns value targets centred and scaled by their running mean and std, its outputs mapped back to return units (GAE unchanged); for tasks whose large, alike returns saturate the critic. (evidence: docs/learning.md)"""
-    final_log_std: float | None = None
-    """If set, the log-std is not learned but moves linearly from init_log_std to this over ppo.total_steps (DrQ-v2's std schedule); null: learned. (evidence: docs/learning.md)"""
 
 
 @dataclass
@@ -145,9 +141,7 @@ class PPOConfig:
     adam_eps: float = 1e-5
     """Adam epsilon (> 0)."""
     augment_loss: bool = False
-    """Every loss of the update reads model.augment's frames, drawn afresh per minibatch (RAD, Laskin et al. 2020); logp_old stays the acting pass's. Not with drac_coef. (evidence: docs/learning.md)"""
-    drac_coef: float = 0.0
-    """DrAC weight of the policy-KL and value regularisers between original and augmented frames (needs model.augment); 0 is off."""
+    """Every loss of the update reads model.augment's frames, drawn afresh per minibatch (RAD, Laskin et al. 2020); logp_old stays the acting pass's; needs model.augment=shift. (evidence: docs/learning.md)"""
 
 
 @dataclass
@@ -377,8 +371,11 @@ def _count_nodes(data: Any, limit: int) -> int:
     return count
 
 
-def _lost(key: str, what: str) -> str:
-    return f"{key} ({what}) was removed on 2026-12-03 (it lost: docs/learning.md); delete the key"
+def _lost(key: str, what: str, why: str = "it lost") -> str:
+    return f"{key} ({what}) was removed on 2026-12-03 ({why}: docs/learning.md); delete the key"
+
+
+UNADOPTED = "the one learning recipe does not use it"
 
 
 REMOVED = {
@@ -396,9 +393,20 @@ REMOVED = {
     "model.action_dist": ("normal", _lost("model.action_dist", "the Beta policy; the Gaussian remains")),
     "model.noise_beta": (0.0, _lost("model.noise_beta", "exploration noise correlated in time")),
     "model.keypoint_norm": (0, _lost("model.keypoint_norm", "standardised spatial_softmax keypoints")),
+    "ppo.drac_coef": (0.0, _lost("ppo.drac_coef", "DrAC's policy-KL and value regularisers")),
+    "model.rotate_degrees": (180.0, _lost("model.rotate_degrees", "the largest turn of model.augment=rotate",
+                                          UNADOPTED)),
+    "model.final_log_std": (None, _lost("model.final_log_std", "the linear log-std schedule; the std is always learned")),
 }
 """Keys that no longer exist: (their old default, the message). A saved config holds every key,
 so a removed key at its old default is dropped quietly; any other value is refused."""
+
+REMOVED_VALUES = {
+    ("model.augment", "rotate"): "model.augment=rotate (random turns about the image centre) was removed on "
+                                 f"2026-12-03 ({UNADOPTED}: docs/learning.md); set model.augment=shift "
+                                 "(random shifts) or none",
+}
+"""Values that a key still alive no longer takes: ((key, value), the message); refused wherever they appear."""
 
 
 def _drop_removed(data: dict, overrides: list[str] | tuple[str, ...], source: str) -> dict:
@@ -409,6 +417,12 @@ def _drop_removed(data: dict, overrides: list[str] | tuple[str, ...], source: st
             if data[section].pop(name) != default:
                 raise ConfigError(f"{message} (in {source})")
         if any(item.split("=", 1)[0].strip() == key for item in overrides):
+            raise ConfigError(message)
+    for (key, value), message in REMOVED_VALUES.items():
+        section, name = key.split(".")
+        if isinstance(data.get(section), dict) and data[section].get(name) == value:
+            raise ConfigError(f"{message} (in {source})")
+        if any([part.strip() for part in item.split("=", 1)] == [key, value] for item in overrides):
             raise ConfigError(message)
     return data
 
@@ -668,24 +682,17 @@ def _validate_finetuning(cfg: Config) -> None:
 
 
 def _validate_augmentation(cfg: Config) -> None:
-    """Augmentation keys: each needs its use, and its uses exclude each other."""
+    """Augmentation keys: the augmentation and its use need each other."""
     m = cfg.model
     if m.augment not in AUGMENTATIONS:
         raise ConfigError(f"model.augment must be one of {' | '.join(AUGMENTATIONS)}, got '{m.augment}'")
     if m.shift_pad <= 0:
         raise ConfigError(f"model.shift_pad must be positive, got {m.shift_pad}")
-    if not 0 < m.rotate_degrees <= 180:
-        raise ConfigError(f"model.rotate_degrees must be in (0, 180], got {m.rotate_degrees}")
-    if cfg.ppo.drac_coef < 0:
-        raise ConfigError(f"ppo.drac_coef must be >= 0, got {cfg.ppo.drac_coef}")
-    if m.augment != "none" and not (cfg.ppo.drac_coef or cfg.ppo.augment_loss):
-        raise ConfigError(f"model.augment={m.augment} needs a use: ppo.drac_coef > 0 (e.g. 0.1, the DrAC terms) "
-                          "or ppo.augment_loss=true (every loss on the augmented frames)")
-    if (cfg.ppo.drac_coef or cfg.ppo.augment_loss) and m.augment == "none":
-        raise ConfigError("ppo.drac_coef > 0 and ppo.augment_loss need an augmentation: set model.augment=shift (or rotate)")
-    if cfg.ppo.drac_coef and cfg.ppo.augment_loss:
-        raise ConfigError("ppo.drac_coef and ppo.augment_loss are two uses of model.augment: set one of them "
-                          "(ppo.drac_coef=0 or ppo.augment_loss=false)")
+    if m.augment != "none" and not cfg.ppo.augment_loss:
+        raise ConfigError(f"model.augment={m.augment} needs its use: ppo.augment_loss=true (every loss on the "
+                          "shifted frames), or model.augment=none")
+    if cfg.ppo.augment_loss and m.augment == "none":
+        raise ConfigError("ppo.augment_loss needs an augmentation: set model.augment=shift")
 
 
 # --------------------------------------------------------------------------- documentation

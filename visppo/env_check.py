@@ -83,13 +83,10 @@ def check_action_space(space: Any, env_name: str) -> None:
 
 
 def validate_spaces(observation_space: Any, action_space: Any, cfg) -> None:
-    """What visppo can act in, for ``cfg`` (its env.state, model.final_log_std)."""
+    """What visppo can act in, for ``cfg`` (its env.state)."""
     name = cfg.env.id
     check_observation_space(observation_space, cfg.env.state, name)
     check_action_space(action_space, name)
-    if isinstance(action_space, gym.spaces.Discrete) and cfg.model.final_log_std is not None:
-        raise ConfigError("model.final_log_std schedules a Gaussian's std, and this env's actions are "
-                          "discrete: remove model.final_log_std")
 
 
 # --------------------------------------------------------------------------- one reset, one step

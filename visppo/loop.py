@@ -67,7 +67,6 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
         for iteration in range(run.first_iteration, run.num_iterations + 1):
             if cfg.ppo.anneal_lr:
                 anneal_lr(run.optimizer, iteration, run.num_iterations)
-            run.policy.schedule_log_std(iteration, run.num_iterations)  # model.final_log_std; else nothing
             with timer("collect"):
                 episodes = collect_rollout(run)
             with timer("values"):

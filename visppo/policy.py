@@ -2,12 +2,10 @@
 
 Three entry points and nothing else: ``act`` (sample at collection time),
 ``score_actions`` (log-prob, entropy and value of stored actions, for the loss) and
-``value`` (for bootstrapping); ``score_actions_augmented`` is ``score_actions`` plus
-what the DrAC terms of the update need. Distributions are built in float32 even under
+``value`` (for bootstrapping). Distributions are built in float32 even under
 autocast: log-probs feed a ratio ``exp(new - old)`` that low precision would
-distort. The policy owns its Gaussian's log-std, learned or on the schedule of
-``model.final_log_std`` (:meth:`ActorCritic.schedule_log_std`); the update's augmentation is
-not the policy's (``builders.build_augmentation``).
+distort. The policy owns its Gaussian's log-std, a learned parameter; the update's
+augmentation is not the policy's (``builders.build_augmentation``).
 
 Box actions take a Gaussian, unbounded: the env clips its samples, the buffer keeps them unclipped.
 """
@@ -57,11 +55,7 @@ class ActorCritic(nn.Module):
             act_dim = int(action_space.n)
         elif isinstance(action_space, gym.spaces.Box):
             act_dim = int(np.prod(action_space.shape))
-            # with a schedule (model.final_log_std) the optimizer leaves it alone: schedule_log_std sets it
-            self.log_std_schedule = (None if cfg.final_log_std is None
-                                     else (float(cfg.init_log_std), float(cfg.final_log_std)))
-            self.log_std = nn.Parameter(torch.full((act_dim,), float(cfg.init_log_std)),
-                                        requires_grad=cfg.final_log_std is None)
+            self.log_std = nn.Parameter(torch.full((act_dim,), float(cfg.init_log_std)))
         else:
             raise ValueError(f"action space {action_space} is not supported: use Box or Discrete")
         feat = self.encoder.out_dim
@@ -98,30 +92,14 @@ class ActorCritic(nn.Module):
             out = self.critic[-1](hidden.float()).squeeze(-1)
             return self.value_norm.denormalize(out) if self.value_norm is not None else out
 
-    @torch.no_grad()
-    def schedule_log_std(self, iteration: int, num_iterations: int) -> None:
-        """``model.final_log_std``: set the Gaussian's log-std for ``iteration`` (1-based), linear
-        from ``model.init_log_std`` at the first towards the final value (reached where the
-        learning rate reaches 0); without a schedule (or for discrete actions) nothing.
-
-        A learned std stays wide when nothing in the loss narrows it (no entropy bonus pushes it
-        either way): the policy learned is then the noisy one, and its mean alone, the
-        deterministic policy, may do worse. A schedule makes the mean carry the task by the end."""
-        if self.discrete or self.log_std_schedule is None:
-            return
-        init, final = self.log_std_schedule
-        self.log_std.fill_(init + (final - init) * (iteration - 1) / num_iterations)
-
     def value_scale(self) -> torch.Tensor | float:
         """What the value loss divides value errors by: with norm_value the targets' running std
         (:meth:`ValueNorm.scale`), else 1."""
         return self.value_norm.scale() if self.value_norm is not None else 1.0
 
     def _dist(self, actor_feats: torch.Tensor) -> Distribution:
-        return self._dist_of(self.actor(actor_feats).float())
-
-    def _dist_of(self, out: torch.Tensor) -> Distribution:
         """Categorical (discrete) or a Normal per dimension."""
+        out = self.actor(actor_feats).float()
         if self.discrete:
             return Categorical(logits=out, validate_args=False)
         return Normal(out, self.log_std.float().exp().expand_as(out), validate_args=False)
@@ -148,19 +126,6 @@ class ActorCritic(nn.Module):
         actor_feats, critic_feats = self._features(obs)
         dist = self._dist(actor_feats)
         return self._log_prob(dist, action), self._entropy(dist), self._value(critic_feats)
-
-    def score_actions_augmented(self, obs: Obs, aug_obs: Obs, action: torch.Tensor):
-        """``score_actions`` on ``obs``, plus for the DrAC terms: its distribution, and the distribution and
-        value on ``aug_obs``. One pass of every module over both stacked (no layer mixes samples, so it
-        equals two passes; and memory trackers see each module once).
-
-        Returns ``(logp, entropy, value, dist, aug_dist, aug_value)``.
-        """
-        n = action.shape[0]
-        actor_feats, critic_feats = self._features({k: torch.cat([obs[k], aug_obs[k]]) for k in obs})
-        out, values = self.actor(actor_feats).float(), self._value(critic_feats)
-        dist, aug_dist = self._dist_of(out[:n]), self._dist_of(out[n:])
-        return self._log_prob(dist, action), self._entropy(dist), values[:n], dist, aug_dist, values[n:]
 
     def value(self, obs: Obs) -> torch.Tensor:
         return self._value(self.encoder(obs) if self.critic_encoder is None else self.critic_encoder(obs))

@@ -51,7 +51,6 @@ from visppo.precision import Precision
 T = TypeVar("T")
 STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac")
 """Per-minibatch statistics of the PPO loss (means over the minibatch)."""
-DRAC_STATS = ("drac_policy", "drac_value")
 
 # --------------------------------------------------------------------------- memory sizes, OOM back-off
 
@@ -218,8 +217,8 @@ class UpdateSetup:
     before_step: Callable[[torch.optim.Optimizer], None] | None = None
     across_ranks: bool = False
     augment: Augmentation | None = None
-    """``model.augment``'s module (``builders.build_augmentation``), drawn from when ``ppo.drac_coef``
-    or ``ppo.augment_loss`` asks for augmented frames."""
+    """``model.augment``'s module (``builders.build_augmentation``), drawn from when
+    ``ppo.augment_loss`` asks for augmented frames."""
 
 
 @dataclass
@@ -232,8 +231,6 @@ class UpdateResult:
     approx_kl: float = math.nan
     clip_frac: float = math.nan
     grad_norm: float = math.nan
-    drac_policy: float = math.nan
-    drac_value: float = math.nan
     stop_kl: float = math.nan
     """The approx-KL of the minibatch that stopped the update early (NaN: no early stop)."""
     optimizer_steps: int = 0
@@ -248,8 +245,7 @@ class UpdateResult:
 
     def losses(self) -> dict[str, float]:
         """The loss terms and minibatch statistics, for the metrics (``loss/<name>``)."""
-        return {name: getattr(self, name)
-                for name in (*STATS, "grad_norm", *DRAC_STATS, "stop_kl")}
+        return {name: getattr(self, name) for name in (*STATS, "grad_norm", "stop_kl")}
 
 
 def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Tensor,
@@ -261,17 +257,13 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     minibatch). Returns the minibatch's mean loss terms, approx-KL and clip fraction
     (0-d tensors: no host sync per minibatch unless asked).
 
-    With ``ppo.drac_coef``: the PPO loss stays on the original frames; each micro-batch
-    also runs on its augmented frames (in the same forward pass) for the DrAC terms. With
-    ``ppo.augment_loss`` every loss reads the augmented frames instead (RAD). Either way the
-    minibatch's augmentation draws are made before the split, so micro-batching does not
-    change them, and committed at the end, so a retry after an OOM draws the same ones.
+    With ``ppo.augment_loss`` every loss reads the augmented frames (RAD). The minibatch's
+    augmentation draws are made before the split, so micro-batching does not change them, and
+    committed at the end, so a retry after an OOM draws the same ones.
     """
-    from visppo.augment import drac_loss
-
     cfg, precision, n = setup.ppo, setup.precision, len(mb)
     value_scale = policy.value_scale()
-    augment = setup.augment if (cfg.drac_coef or cfg.augment_loss) else None
+    augment = setup.augment if cfg.augment_loss else None
     if augment is not None:
         draws, rng_after = augment.draw_ahead(n)
     sums: dict[str, torch.Tensor] = {}
@@ -279,19 +271,13 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     for micro in micro_batches(mb, setup.sizes.micro):
         batch = buffer.gather(micro, setup.device)
         obs, actions, stop = obs_of(batch), batch["actions"], offset + len(micro)
-        aug_obs = augment.augment_obs(obs, draws[offset:stop]) if augment is not None else None
-        if cfg.augment_loss:
-            obs, aug_obs = aug_obs, None
+        if augment is not None:
+            obs = augment.augment_obs(obs, draws[offset:stop])
         with precision.autocast():
-            new_logp, entropy, new_values, extra = score_micro(policy, obs, aug_obs, actions)
+            new_logp, entropy, new_values = policy.score_actions(obs, actions)
         loss, stats = ppo_loss(new_logp, batch["logp"], advantages[offset:stop].to(setup.device),
                                new_values, batch["values"], batch["returns"], entropy, cfg.clip_coef,
                                cfg.clip_value, cfg.value_coef, cfg.entropy_coef, value_scale)
-        if aug_obs is not None:
-            dist, aug_dist, aug_values = extra
-            reg, reg_stats = drac_loss(dist, new_values / value_scale, aug_dist, aug_values / value_scale)
-            loss = loss + cfg.drac_coef * reg
-            stats.update(reg_stats)
         loss = loss.sum() / n  # the minibatch mean, split over micro-batches
         (precision.scaler.scale(loss) if precision.scaler else loss).backward()
         for k, v in stats.items():
@@ -302,23 +288,12 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     return {k: v / n for k, v in sums.items()}
 
 
-def score_micro(policy: ActorCritic, obs: dict[str, torch.Tensor], aug_obs: dict[str, torch.Tensor] | None,
-                actions: torch.Tensor):
-    """One micro-batch's forward pass: ``(logp, entropy, values, extra)``, where ``extra`` is the
-    DrAC pass's ``(dist, aug_dist, aug_values)`` when ``aug_obs`` is given, else None."""
-    if aug_obs is None:
-        return (*policy.score_actions(obs, actions), None)
-    new_logp, entropy, new_values, dist, aug_dist, aug_values = policy.score_actions_augmented(obs, aug_obs, actions)
-    return new_logp, entropy, new_values, (dist, aug_dist, aug_values)
-
-
 def reduced_minibatch_gradient(policy: ActorCritic, optimizer: torch.optim.Optimizer,
                                buffer: RolloutBuffer, mb: torch.Tensor, advantages: torch.Tensor,
                                setup: UpdateSetup) -> dict[str, float]:
     """The minibatch's gradient in ``.grad`` and its statistics, averaged over the ranks when
     ``setup.across_ranks``; backs off on out-of-memory (on every rank at once)."""
     params = [p for p in policy.parameters() if p.requires_grad]
-    names = STATS + (DRAC_STATS if setup.ppo.drac_coef and setup.augment is not None else ())
 
     def attempt() -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
@@ -329,7 +304,7 @@ def reduced_minibatch_gradient(policy: ActorCritic, optimizer: torch.optim.Optim
             if not (setup.across_ranks and is_oom(exc)):
                 raise
             optimizer.zero_grad(set_to_none=True)  # this rank's part is void; the others must know
-            means, failed = {k: torch.zeros(()) for k in names}, True
+            means, failed = {k: torch.zeros(()) for k in STATS}, True
         if not setup.across_ranks:
             return {k: float(v) for k, v in means.items()}
         averaged, anyone_failed = distributed.reduce_minibatch(params, means, failed)

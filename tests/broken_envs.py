@@ -6,6 +6,7 @@ resets included) from which it shows; ``defect=none`` is a healthy 48x48 env wit
 
 from __future__ import annotations
 
+import ctypes
 import sys
 
 import gymnasium as gym
@@ -28,13 +29,16 @@ DEFECTS = (
     "step_reward_str", "step_reward_array", "step_obs_wrong_shape", "step_state_nan", "step_state_inf",
     "step_terminated_str", "step_info_not_dict", "step_success_str", "step_exits",
 )
+CRASHES = ("step_segfaults",)
+"""Defects that end the process the env runs in (no exception to catch): only for a ``visppo train``
+subprocess, never for an env stepped in the test's own process."""
 
 
 class BrokenEnv(gym.Env):
     metadata = {"render_modes": []}
 
     def __init__(self, defect: str = "none", at: int = 0, state: bool = True):
-        if defect not in DEFECTS:
+        if defect not in DEFECTS + CRASHES:
             raise ValueError(f"unknown defect {defect}")
         self.defect, self.at, self.calls = defect, at, 0
         if self._now("init_raises"):
@@ -107,6 +111,8 @@ class BrokenEnv(gym.Env):
             raise RuntimeError("joint 3 over its torque limit")
         if d == "step_exits":
             sys.exit(3)
+        if d == "step_segfaults":
+            ctypes.string_at(0)  # reads address 0: SIGSEGV
         if d == "step_not_tuple":
             return obs
         if d == "step_four_tuple":

@@ -8,6 +8,7 @@ from gymnasium.utils.env_checker import check_env
 
 from visppo import envs as envs_module
 from visppo.config import load_config
+from visppo.env_process import EnvProcess
 from visppo.envs import PixelDict, check_env_id, make_env, make_vector_env, use_async
 from visppo.errors import ConfigError
 from visppo_envs.dot import DotReachEnv
@@ -142,6 +143,10 @@ def test_render_samples_is_refused_for_an_env_that_is_not_mujoco():
     (4, ["ppo.num_envs=1", "ppo.minibatch_size=64"], False),
     (2, ["env.vector=async"], True),                  # an explicit choice is kept
     (4, ["env.vector=sync"], False),
+    (2, ["env.id=my_robot.envs:Arm-v0"], True),       # a user's env: in workers on any machine
+    (2, ["env.id=my_robot.envs:Arm-v0", "ppo.num_envs=1", "ppo.minibatch_size=64"], True),
+    (4, ["env.id=my_robot.envs:Arm-v0", "env.vector=sync"], False),  # unless told
+    (4, ["env.id=dmc:reacher-easy", "ppo.num_envs=1", "ppo.minibatch_size=64"], False),  # not a module
 ])
 def test_auto_vector_mode_follows_the_cpus(monkeypatch, cpus, overrides, expected):
     monkeypatch.setattr(envs_module, "usable_cpus", lambda: cpus)
@@ -228,12 +233,16 @@ def test_a_custom_env_gets_its_kwargs_and_bad_ones_are_named(tmp_path, monkeypat
     monkeypatch.syspath_prepend(str(tmp_path))
     name = _custom_module(tmp_path, "my_blink_kwargs")
     base = [f"env.id={name}:{name}/Blink-v0", "env.pixels=false", "env.image_size=36"]
-    env = make_env(load_config(None, [*base, "env.kwargs.brightness=77"]))
+    for vector in ("auto", "sync"):  # the env in a process of its own (EnvProcess), or in this one
+        env = make_env(load_config(None, [*base, "env.kwargs.brightness=77", f"env.vector={vector}"]))
+        assert isinstance(env.unwrapped, EnvProcess) is (vector == "auto")
+        obs, _ = env.reset(seed=0)
+        assert obs["pixels"].shape == (3, 36, 36) and 0 < obs["pixels"].max() <= 77
+        env.close()
+        with pytest.raises(ConfigError, match=r"refused its arguments .*colour.*: check env.kwargs"):
+            make_env(load_config(None, [*base, "env.kwargs.colour=1", f"env.vector={vector}"]))
+    env = make_env(load_config(None, [*base, "env.kwargs.brightness=77", "env.vector=sync"]))
     assert env.unwrapped.brightness == 77
-    obs, _ = env.reset(seed=0)
-    assert obs["pixels"].shape == (3, 36, 36) and 0 < obs["pixels"].max() <= 77
-    with pytest.raises(ConfigError, match=r"refused its arguments .*colour.*: check env.kwargs"):
-        make_env(load_config(None, [*base, "env.kwargs.colour=1"]))
 
 
 def test_a_custom_module_that_does_not_register_the_id_is_named(tmp_path, monkeypatch):

@@ -101,15 +101,17 @@ def test_wandb_offline_run_holds_every_csv_metric_the_config_and_the_videos(tmp_
                                                          "ppo.num_epochs": 1}))
     run_dir = train(cfg)
     (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    history, config = [], {}
+    history, config, kinds = [], {}, []
     for record in wandb_records(run_file):
         kind = record.WhichOneof("record_type")
+        kinds.append(kind)
         if kind == "history":
             history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                             for item in record.history.item})
         elif kind in ("run", "config"):
             updates = record.run.config.update if kind == "run" else record.config.update
             config.update({u.key: json.loads(u.value_json) for u in updates})
+    assert kinds[-1] == "exit", kinds[-5:]  # complete once train() returns: the run's exit is written
     with (run_dir / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
     logged = {int(h["global_step"]): h for h in history if "iteration" in h}  # the metrics rows

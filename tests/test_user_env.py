@@ -7,7 +7,11 @@ wrong with it and ``env.kwargs.at`` from which call (resets and steps, counted o
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -62,7 +66,7 @@ def test_fuzz_a_broken_user_env_is_one_error_line_and_leaves_nothing_half_writte
     code, err = run_main(capsys, "train", *overrides(tmp_path, defect, at, env))
     if at == 0:  # the start check: bad input, nothing written
         assert code == 2, err
-        one_error_line(err, env)
+        one_error_line(err, f"broken_envs:{env}")  # the env as the user named it
         assert not (tmp_path / "run").exists()
     else:  # mid-run: the env's fault, exit 1, the env named
         assert code == 1, err
@@ -107,6 +111,52 @@ def test_item6_non_finite_env_output_mid_run_names_the_env_not_a_divergence(tmp_
     assert code == 1, err
     line = one_error_line(err, "env broken_envs:BrokenUnchecked-v0 returned a non-finite")
     assert "diverged" not in line and "learning_rate" not in line
+
+
+@pytest.mark.parametrize("defect", ["obs_dict_no_pixels", "obs_not_image"])
+def test_item2_a_bad_observation_space_names_the_env_as_the_user_wrote_it(tmp_path, capsys, defect):
+    """PixelDict's refusal names env.id (module:EnvId), not the gymnasium id below it."""
+    code, err = run_main(capsys, "train", *overrides(tmp_path, defect))
+    assert code == 2, err
+    one_error_line(err, "env broken_envs:BrokenUnchecked-v0: its ")
+
+
+# --------------------------------------------------------------------------- envs that end their process
+
+TESTS = Path(__file__).resolve().parent
+
+
+def visppo_train(tmp_path, args: list[str]) -> subprocess.CompletedProcess:
+    """``python -m visppo train ARGS`` in a process of its own (a crash in this one would end the
+    tests), ``broken_envs`` on its PYTHONPATH."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), *sys.path]))
+    return subprocess.run([sys.executable, "-m", "visppo", "train", *args], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=tmp_path)
+
+
+@pytest.mark.parametrize(("defect", "at", "extra", "needle", "kept"), [
+    # the start check's step, in the check's own process: no run folder
+    ("step_segfaults", 0, {}, "the process it runs in died of signal SIGSEGV during step()", None),
+    # a rollout worker in iteration 2: iteration 1's checkpoint stays
+    ("step_segfaults", 40, {}, "died of signal SIGSEGV during step (a crash in the env", 64),
+    # the periodic evaluation of iteration 2 (its env's 80th call; the workers make 68 in 2 iterations)
+    ("step_segfaults", 80, {"run.eval_every": 2, "ppo.total_steps": 192},
+     "the process it runs in died of signal SIGSEGV during step()", 64),
+    # sys.exit(3) in a worker, and in this process (env.vector=sync): never mistaken for an exit
+    ("step_exits", 40, {}, "exited with code 3 during step (sys.exit or os._exit", 64),
+    ("step_exits", 40, {"env.vector": "sync"}, "failed during step: called sys.exit(3)", 64),
+], ids=["check-segfault", "rollout-segfault", "eval-segfault", "worker-sys-exit", "sync-sys-exit"])
+def test_an_env_that_ends_its_process_is_one_error_line_naming_the_env(tmp_path, defect, at, extra, needle, kept):
+    args = overrides(tmp_path, defect, at, **{"run.checkpoint_every": 1, "ppo.total_steps": 128, **extra})
+    proc = visppo_train(tmp_path, args)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    one_error_line(proc.stderr, "env broken_envs:BrokenUnchecked-v0", needle)
+    run_dir = tmp_path / "run"
+    if kept is None:
+        assert not run_dir.exists()
+    else:
+        assert torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)["global_step"] == kept
+        nothing_half_written(run_dir)
 
 
 # --------------------------------------------------------------------------- validate_spaces

@@ -55,7 +55,7 @@ class EnvConfig:
     max_episode_steps: int = 0
     """Time limit in env steps before action repeat (frames); 0 keeps the env's registered limit (dmc ids: 1000)."""
     vector: str = "auto"
-    """sync | async | auto: async worker processes (forkserver) for rendered envs when this process may use more than 2 CPUs; sync otherwise, and for the synthetic tasks."""
+    """sync | async | auto: async worker processes (forkserver) for rendered envs when this process may use more than 2 CPUs, and always for a user's module:EnvId env (its crash is then one error line); sync otherwise, and for the synthetic tasks. sync runs a module:EnvId env in this process (faster on 2 CPUs; a segfault then ends the run with no message)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the env's constructor, through gymnasium.make (e.g. env.kwargs.look=fast for dmc ids)."""
 

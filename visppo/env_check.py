@@ -6,7 +6,8 @@ checks the config alone): an image observation (alone, or ``"pixels"`` in a Dict
 optional ``"state"`` Box) and a flat float Box or a Discrete action space.
 :func:`check_env` builds one env as training does, checks its spaces, resets it and steps it
 once, and names the first defect as a :class:`ConfigError` (the env is the user's input: exit 2,
-nothing written). Errors of an env during a run are :class:`RunError` (:func:`env_errors`).
+nothing written). Errors of an env during a run are :class:`RunError` (:func:`env_errors`), and so
+is a crash of the process a user's env runs in (:mod:`visppo.env_process`), in the check too.
 """
 
 from __future__ import annotations
@@ -169,10 +170,10 @@ def check_env(cfg, make_env: Callable[[Any], gym.Env], seed: int = 0) -> None:
 def _check_env(cfg, name: str, seed: int, make_env) -> None:
     try:
         env = make_env(cfg)
-    except UserError:
+    except (UserError, RunError):  # RunError: the process it runs in died (visppo.env_process)
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's constructor
-        raise ConfigError(f"env {name} could not be made: its constructor {_raised(exc)}: {FIX}") from None
+        raise ConfigError(f"env {name} could not be made: its constructor {raised(exc)}: {FIX}") from None
     try:
         own = _own_env(env)
         validate_spaces(own.observation_space, env.action_space, cfg)
@@ -185,7 +186,8 @@ def _check_env(cfg, name: str, seed: int, make_env) -> None:
             pass
 
 
-def _raised(exc: BaseException) -> str:
+def raised(exc: BaseException) -> str:
+    """What an env's call did, for an error line: "raised ValueError: ...", "called sys.exit(3)"."""
     if isinstance(exc, SystemExit):
         return f"called sys.exit({exc.code})"
     return f"raised {_first_line(exc)}"
@@ -194,8 +196,10 @@ def _raised(exc: BaseException) -> str:
 def _check_reset(env: gym.Env, name: str, seed: int) -> None:
     try:
         out = env.reset(seed=seed)
+    except RunError:
+        raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001
-        raise ConfigError(f"env {name}: reset() {_raised(exc)}: {FIX}") from None
+        raise ConfigError(f"env {name}: reset() {raised(exc)}: {FIX}") from None
     if not (isinstance(out, tuple) and len(out) == 2):
         raise ConfigError(f"env {name}: reset() returned a {type(out).__name__}"
                           f"{f' of {len(out)}' if isinstance(out, tuple) else ''}, not (observation, info): {FIX}")
@@ -208,8 +212,10 @@ def _check_reset(env: gym.Env, name: str, seed: int) -> None:
 def _check_step(env: gym.Env, name: str) -> None:
     try:
         out = env.step(env.action_space.sample())
+    except RunError:
+        raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001
-        raise ConfigError(f"env {name}: step() {_raised(exc)}: {FIX}") from None
+        raise ConfigError(f"env {name}: step() {raised(exc)}: {FIX}") from None
     if not (isinstance(out, tuple) and len(out) == 5):
         raise ConfigError(f"env {name}: step() returned a {type(out).__name__}"
                           f"{f' of {len(out)}' if isinstance(out, tuple) else ''}, not (observation, reward, "
@@ -238,7 +244,7 @@ def env_errors(env_id: str, during: str) -> Iterator[None]:
     except (UserError, RunError):
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001
-        raise RunError(f"env {env_id} failed during {during}: {_raised(exc)}") from None
+        raise RunError(f"env {env_id} failed during {during}: {raised(exc)}") from None
 
 
 def check_rollout_step(env_id: str, reward: np.ndarray, obs: dict[str, np.ndarray]) -> None:

@@ -11,10 +11,14 @@ episode returns the next episode's first observation and puts the final one in
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import re
 import signal
+import sys
+import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,7 +29,8 @@ import numpy as np
 
 from visppo import seeding
 from visppo.config import Config
-from visppo.env_check import check_observation_space, is_image_space
+from visppo.env_check import check_observation_space, env_errors, is_image_space, raised
+from visppo.env_process import EnvProcess, how_it_ended, why
 from visppo.errors import ConfigError, RunError
 from visppo_envs._gl import ensure_headless_gl
 
@@ -102,10 +107,12 @@ class FrameStack:
 class PixelDict(gym.ObservationWrapper):
     """Image (HWC uint8) or dict {"pixels", "state"} -> {"pixels": CHW stacked k frames, "state"}."""
 
-    def __init__(self, env: gym.Env, frame_stack: int, keep_state: bool, image_size: int | None = None):
+    def __init__(self, env: gym.Env, frame_stack: int, keep_state: bool, image_size: int | None = None,
+                 name: str | None = None):
         super().__init__(env)
         space = env.observation_space
-        pix = check_observation_space(space, keep_state, env.spec.id if env.spec else str(env))
+        name = name or (env.spec.id if env.spec else str(env))  # env.id as the user wrote it, for errors
+        pix = check_observation_space(space, keep_state, name)
         h, w, c = pix.shape
         self.resize = image_size if image_size and (h, w) != (image_size, image_size) else None
         if self.resize:  # envs that render at their own size (e.g. 600x400 classic control)
@@ -250,7 +257,7 @@ def _make_env(cfg: Config, stream: int) -> gym.Env:
     kwargs: dict[str, Any] = dict(e.kwargs)
     if _is_dmc(env_id):
         env = _make_dmc(cfg, env_id, kwargs)
-        return SeededEpisodes(PixelDict(env, e.frame_stack, e.state, e.image_size), stream)
+        return SeededEpisodes(PixelDict(env, e.frame_stack, e.state, e.image_size, e.id), stream)
     if e.max_episode_steps:
         kwargs["max_episode_steps"] = e.max_episode_steps
     if env_id.startswith(CODE_PREFIX):
@@ -263,13 +270,31 @@ def _make_env(cfg: Config, stream: int) -> gym.Env:
                        obs_mode="pixels_state" if e.state else "pixels", **kwargs)
         if e.render_samples >= 0:
             set_render_samples(env, e.render_samples, env_id)
-    elif e.pixels:
-        env = _make_rendered(cfg, env_id, kwargs)
+    elif runs_apart(cfg) and multiprocessing.parent_process() is None:  # not yet in a worker
+        env = EnvProcess(functools.partial(_make_gymnasium, cfg, env_id, kwargs), e.id, worker_start_method())
     else:
-        env = gym.make(env_id, **kwargs)
+        env = _make_gymnasium(cfg, env_id, kwargs)
     if e.action_repeat > 1:
         env = ActionRepeat(env, e.action_repeat)
-    return SeededEpisodes(PixelDict(env, e.frame_stack, e.state, e.image_size), stream)
+    return SeededEpisodes(PixelDict(env, e.frame_stack, e.state, e.image_size, e.id), stream)
+
+
+def _make_gymnasium(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
+    """A gymnasium id: its rendered frames (env.pixels), else its own observations."""
+    return _make_rendered(cfg, env_id, kwargs) if cfg.env.pixels else gym.make(env_id, **kwargs)
+
+
+def is_module_id(env_id: str) -> bool:
+    """``module:EnvId``: a user's own env, whose module visppo imports."""
+    return ":" in env_id and not _is_dmc(env_id) and not env_id.startswith(CODE_PREFIX)
+
+
+def runs_apart(cfg: Config) -> bool:
+    """Whether the env runs in processes of its own: a user's env (``module:EnvId``) unless
+    ``env.vector=sync``. Its vector env steps in async workers (:func:`use_async`) and a single env
+    (the start check, evaluation) in an :class:`EnvProcess`, so that a crash of its code (a
+    segfault, ``os._exit``) ends as one error naming the env rather than as the run's silent end."""
+    return is_module_id(cfg.env.id) and cfg.env.vector != "sync"
 
 
 def register_code_env(factory: Callable[..., gym.Env], env_id: str | None = None) -> str:
@@ -446,8 +471,11 @@ def use_async(cfg: Config) -> bool:
     own, and every step's round trip through their pipes costs more than their
     parallelism saves (measured: docs/performance.md).
 
-    An env built in code goes to workers only if its callable pickles; ``async`` refuses one that does not.
+    A user's env (``module:EnvId``) goes to workers whatever the CPUs (:func:`runs_apart`). An env
+    built in code goes to workers only if its callable pickles; ``async`` refuses one that does not.
     """
+    if runs_apart(cfg):
+        return True
     if cfg.env.vector == "auto":
         rendered = cfg.ppo.num_envs > 1 and not cfg.env.id.startswith(SYNTHETIC_PREFIX)
         return rendered and usable_cpus() > 2 and code_env_pickles(cfg.env.id)
@@ -460,10 +488,12 @@ def use_async(cfg: Config) -> bool:
 
 def _thunk(cfg: Config):
     factory = _CODE_ENVS.get(cfg.env.id)  # travels to a worker with the thunk
+    path = list(sys.path)  # and this process's sys.path (the forkserver has the one of its start)
 
     def make() -> gym.Env:
         if multiprocessing.parent_process() is not None:
             ignore_stop_signals()
+            sys.path[:] = path
             if factory is not None:
                 register_code_env(factory, cfg.env.id)
         return make_env(cfg)
@@ -490,6 +520,17 @@ def preload_before_gl() -> None:
     import torch._dynamo  # noqa: F401
 
 
+def worker_start_method() -> str:
+    """How env processes (async workers, an :class:`EnvProcess`) start: ``forkserver`` (forking
+    after an EGL context hangs), whose server imports this module once, so that each worker
+    forks with gymnasium and visppo loaded (1-2 s less per worker on a busy machine); ``spawn``
+    where there is no forkserver."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["__main__", __name__])  # once it starts
+    return "forkserver"
+
+
 def make_vector_env(cfg: Config, num_envs: int | None = None) -> gym.vector.VectorEnv:
     """``num_envs`` copies with SAME_STEP autoreset, async in forkserver workers when it pays."""
     check_env_id(cfg.env.id)
@@ -500,12 +541,47 @@ def make_vector_env(cfg: Config, num_envs: int | None = None) -> gym.vector.Vect
     fns = [_thunk(cfg) for _ in range(n)]
     mode = gym.vector.AutoresetMode.SAME_STEP
     if use_async(cfg):
-        ctx = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        ctx = worker_start_method()
+        # A worker's error is re-raised here and named as the env's by worker_errors; gymnasium also
+        # logs it (its traceback) as warnings, which would bury that one line.
+        warnings.filterwarnings("ignore", message=r".*ERROR: ", category=UserWarning,
+                                module=r"gymnasium\.vector\.async_vector_env")
         envs = gym.vector.AsyncVectorEnv(fns, shared_memory=True, context=ctx, autoreset_mode=mode)
     else:
         envs = gym.vector.SyncVectorEnv(fns, autoreset_mode=mode)
     envs.env_id = cfg.env.id  # for error messages that name the env
     return envs
+
+
+def close_vector_env(envs: gym.vector.VectorEnv, failing: bool = False) -> None:
+    """Close the envs on the way out. An env whose close fails is a RunError naming it, unless the
+    run is ``failing`` already (that error matters more); async workers that cannot be closed
+    cleanly (one died, a step is pending) are let go: their pipes closed, they close their envs."""
+    env_id = getattr(envs, "env_id", "?")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gymnasium's notes on closing a vector env whose step failed
+        try:
+            with env_errors(env_id, "close"):
+                envs.close()
+        except RunError:
+            if isinstance(envs, gym.vector.AsyncVectorEnv):
+                _let_workers_go(envs)
+            if not failing:
+                raise
+
+
+def _let_workers_go(envs: gym.vector.AsyncVectorEnv) -> None:
+    """Close the pipes to ``envs``' workers: each then closes its env and ends (a worker ignores
+    SIGTERM, see :func:`ignore_stop_signals`); one still alive 10 s later is killed."""
+    for pipe in envs.parent_pipes:
+        if pipe is not None:
+            pipe.close()
+    for process in envs.processes:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    envs.closed = True  # nothing left for its __del__ to close
 
 
 @contextmanager
@@ -521,10 +597,13 @@ def worker_errors(envs: gym.vector.VectorEnv, env_id: str) -> Iterator[None]:
     except RunError:
         raise
     except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
-        dead = [f"worker {i} (exit code {p.exitcode})" for i, p in enumerate(getattr(envs, "processes", []))
-                if p.exitcode is not None]
-        raise RunError(f"env {env_id}: {', '.join(dead) or 'a worker'} died during step "
-                       f"({type(exc).__name__}); the last checkpoint is intact") from None
+        processes = getattr(envs, "processes", [])
+        deadline = time.monotonic() + 2  # a dying worker's exit code comes a moment after its pipe closes
+        while all(p.exitcode is None for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        codes = [p.exitcode for p in processes if p.exitcode is not None]
+        dead = [f"worker {i} {how_it_ended(p.exitcode)}" for i, p in enumerate(processes) if p.exitcode is not None]
+        raise RunError(f"env {env_id}: {', '.join(dead) or f'a worker died ({type(exc).__name__})'} during step "
+                       f"({why(codes)}); the last checkpoint is intact") from None
     except (Exception, SystemExit) as exc:  # an in-process env's sys.exit too
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise RunError(f"env {env_id} failed during step: {type(exc).__name__}: {first[:200]}") from exc
+        raise RunError(f"env {env_id} failed during step: {raised(exc)}") from exc

@@ -42,7 +42,7 @@ from visppo.builders import (
 from visppo.config import Config, to_yaml
 from visppo.encoders import FreezeSchedule
 from visppo.env_check import check_env
-from visppo.envs import check_env_id, make_env, make_vector_env, preload_before_gl
+from visppo.envs import check_env_id, close_vector_env, make_env, make_vector_env, preload_before_gl
 from visppo.errors import ConfigError, RunError, Stopped
 from visppo.evaluate import run_episodes
 from visppo.health import PROBE_SAMPLES, activation_health, probe_index
@@ -170,7 +170,7 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
         if ctx.enabled:
             run_dir = Path(distributed.broadcast(str(run_dir)))  # rank 0's: a default name holds the time
         envs = make_vector_env(cfg)
-        stack.callback(close_envs, envs)
+        stack.push(lambda kind, *_: close_vector_env(envs, failing=kind is not None))
         run = build_run(cfg, ctx, run_dir, device, rollout_device, precision, envs, resume)
         run.signals = signals
         if ctx.is_main:
@@ -192,15 +192,6 @@ def check_user_env(cfg: Config) -> None:
     before the run's seeds are set (the check draws from nothing the run uses)."""
     preload_before_gl()  # before the check env's GL context (see envs.preload_before_gl)
     check_env(cfg, make_env)
-
-
-def close_envs(envs: gym.vector.VectorEnv) -> None:
-    """Close the envs on the way out; a worker that already died (its error is being reported)
-    cannot be closed cleanly, and that must not hide the error with a BrokenPipeError."""
-    try:
-        envs.close()
-    except (OSError, EOFError):
-        pass
 
 
 @contextmanager

@@ -182,7 +182,27 @@ class WandbTracker:
         self.run.log({"global_step": step, "eval/video": self.wandb.Video(str(path), format=path.suffix[1:])})
 
     def close(self) -> None:
+        """Finish the W&B run, its files complete on disk when this returns.
+
+        ``run.finish()`` returns once wandb's service process has the run's last records; the
+        service writes the rest of the run's ``.wandb`` file and closes it only after that, on its
+        own time (on a loaded machine a reader found the last rows missing). Ending the service
+        (``wandb.teardown``) waits for it. Not while another W&B run of this process is active:
+        ending the service would finish that run too (its file is then complete when the service
+        ends, at the latest when the process exits)."""
         self.run.finish()
+        if not _other_wandb_runs():
+            self.wandb.teardown()
+
+
+def _other_wandb_runs() -> bool:
+    """Whether this process has an active W&B run (True when wandb cannot say)."""
+    try:
+        from wandb.sdk import wandb_setup
+
+        return wandb_setup.singleton().most_recent_active_run is not None
+    except Exception:  # noqa: BLE001 - a wandb without it: leave the service alone
+        return True
 
 
 def _step(cell: str) -> float:

@@ -20,6 +20,7 @@ from torch.distributions import Categorical, Distribution, Normal
 
 from visppo.config import ModelConfig
 from visppo.encoders import ObsEncoder, load_encoder_weights
+from visppo.env_check import check_action_space
 from visppo.value_norm import ValueNorm
 
 Obs = dict[str, torch.Tensor]
@@ -39,6 +40,7 @@ def _mlp(in_dim: int, hidden: int, out_dim: int, out_gain: float) -> nn.Sequenti
 class ActorCritic(nn.Module):
     def __init__(self, obs_space: gym.spaces.Dict, action_space: gym.Space, cfg: ModelConfig):
         super().__init__()
+        check_action_space(action_space, "given to ActorCritic")  # env_check owns what visppo acts in
         pixel_shape = tuple(obs_space["pixels"].shape)
         state_dim = int(np.prod(obs_space["state"].shape)) if "state" in obs_space.spaces else 0
 
@@ -53,11 +55,9 @@ class ActorCritic(nn.Module):
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
         if self.discrete:
             act_dim = int(action_space.n)
-        elif isinstance(action_space, gym.spaces.Box):
-            act_dim = int(np.prod(action_space.shape))
+        else:  # a flat float Box
+            act_dim = int(action_space.shape[0])
             self.log_std = nn.Parameter(torch.full((act_dim,), float(cfg.init_log_std)))
-        else:
-            raise ValueError(f"action space {action_space} is not supported: use Box or Discrete")
         feat = self.encoder.out_dim
         self.actor = _mlp(feat, cfg.hidden_dim, act_dim, 0.01)
         self.critic = _mlp(feat, cfg.hidden_dim, 1, 1.0)

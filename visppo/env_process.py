@@ -1,0 +1,160 @@
+"""One env in a process of its own, so that a crash of its code is the env's error, not the run's end.
+
+A user's env (``module:EnvId``) may segfault or call ``os._exit``; in the training process nothing
+runs after that (exit 139, no message). :class:`EnvProcess` builds the env in a forkserver child
+and forwards ``reset``, ``step``, ``render`` and ``close`` to it through a pipe: what the env
+returns or raises (``sys.exit`` included) arrives unchanged, and a child that dies makes the call
+raise a :class:`RunError` naming the env and how its process ended. Vector envs of such envs step
+in gymnasium's async workers instead (:func:`visppo.envs.use_async`), whose deaths
+:func:`visppo.envs.worker_errors` names with :func:`how_it_ended`.
+(A leaf: imports nothing of visppo but its errors.)
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import gymnasium as gym
+
+from visppo.errors import RunError
+
+
+def how_it_ended(exitcode: int | None) -> str:
+    """A dead process's exit code in words: "died of signal SIGSEGV", "exited with code 3"."""
+    if exitcode is None:
+        return "closed its pipe"
+    if exitcode < 0:
+        try:
+            return f"died of signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"died of signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def why(exitcodes: list[int | None]) -> str:
+    """What ended processes with these exit codes, in the env: a crash (a signal) or an exit."""
+    if any(code is not None and code < 0 for code in exitcodes):
+        return "a crash in the env's code or a library it calls"
+    return "sys.exit or os._exit in the env's code"
+
+
+class EnvProcess(gym.Env):
+    """The env ``build()`` returns, built and stepped in a child process (started with
+    ``start_method``); ``name`` is the env as the user named it (``env.id``), for the error of a
+    child that dies."""
+
+    def __init__(self, build: Callable[[], gym.Env], name: str, start_method: str = "forkserver"):
+        ctx = multiprocessing.get_context(start_method)
+        self.name = name
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(child, build, sys.path), daemon=True,
+                                    name=f"env {name}")
+        self._process.start()
+        child.close()  # the child's end lives in the child alone: its death is an EOF here
+        self._open = True
+        try:
+            (self.observation_space, self.action_space, self.metadata, self.render_mode,
+             self.spec) = self._call("constructor")
+        except BaseException:
+            self._end()
+            raise
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        return self._call("reset", seed=seed, options=options)
+
+    def step(self, action):
+        return self._call("step", action)
+
+    def render(self):
+        return self._call("render")
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        try:
+            if self._process.is_alive():
+                self._call("close")
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        """Close the pipe and reap the child (killed if it has not ended 10 s after its pipe closed)."""
+        self._open = False
+        self._conn.close()
+        self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if method != "constructor":
+                self._conn.send((method, args, kwargs))
+            status, value = self._conn.recv()
+        except (EOFError, OSError):  # the child is gone: a crash of the env's code
+            self._end()
+            code = self._process.exitcode
+            cause = why([code])
+            if method == "constructor" and code is not None and code > 0:  # before it could answer
+                cause = ("os._exit in the env's constructor, or the error printed above: a script that "
+                         "starts visppo needs the `if __name__ == \"__main__\":` guard of multiprocessing")
+            raise RunError(f"env {self.name}: the process it runs in {how_it_ended(code)} during "
+                           f"{'its constructor' if method == 'constructor' else method + '()'} ({cause})"
+                           ) from None
+        if status == "raised":
+            raise value
+        return value
+
+
+def _serve(conn, build: Callable[[], gym.Env], path: list[str]) -> None:
+    """The child: build the env, then answer (method, args, kwargs) until close or the parent's EOF.
+    ``path`` is the parent's ``sys.path`` now (the forkserver has the one of its own start)."""
+    sys.path[:] = path
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's to handle (it closes this env)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        env = build()
+        _answer(conn, "returned", (env.observation_space, env.action_space, env.metadata, env.render_mode,
+                                   _picklable(env.spec)))
+    except BaseException as exc:  # noqa: BLE001 - the parent raises it (sys.exit too)
+        _answer(conn, "raised", exc)
+        return
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            env.close()
+            return
+        try:
+            _answer(conn, "returned", getattr(env, method)(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001
+            _answer(conn, "raised", exc)
+        if method == "close":
+            return
+
+
+def _answer(conn, status: str, value: Any) -> None:
+    """Send (status, value); what cannot travel through the pipe is raised there as a TypeError."""
+    if status == "raised":
+        value = _picklable(value) or RuntimeError(f"{type(value).__name__}: {value}")
+    try:
+        data = pickle.dumps((status, value))
+    except Exception as exc:  # noqa: BLE001 - e.g. a generator returned by the env
+        data = pickle.dumps(("raised", TypeError(f"the env returned a {type(value).__name__} that cannot be "
+                                                 f"sent between processes ({type(exc).__name__}: {exc})")))
+    conn.send_bytes(data)
+
+
+def _picklable(value: Any) -> Any:
+    """``value`` if it survives a pickle round trip (an exception whose class needs other
+    arguments does not), else None."""
+    try:
+        pickle.loads(pickle.dumps(value))
+    except Exception:  # noqa: BLE001
+        return None
+    return value

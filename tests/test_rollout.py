@@ -108,7 +108,7 @@ def test_a_killed_env_worker_ends_the_rollout_with_a_clear_error():
         state = RolloutState.start(envs, seed=0)
         os.kill(envs.processes[1].pid, signal.SIGKILL)
         envs.processes[1].join(timeout=10)
-        with pytest.raises(RunError, match=r"visppo/DotReach-v0: worker 1 died of signal SIGKILL during step"):
+        with pytest.raises(RunError, match=r"visppo/DotReach-v0: during step, worker 1 died of signal SIGKILL"):
             collect(envs, PixelValuePolicy(), buf, state, torch.device("cpu"))
     finally:
         envs.close(terminate=True)

@@ -92,7 +92,7 @@ def test_an_env_failing_in_iteration_2_keeps_the_checkpoint_of_iteration_1(tmp_p
 
 @pytest.mark.parametrize("during", ["periodic", "eval"])
 def test_an_env_failing_during_evaluation_is_the_envs_error(tmp_path, capsys, during):
-    if during == "periodic":  # the run's iteration 1 is checkpointed, then its periodic evaluation meets the defect
+    if during == "periodic":  # iteration 1's periodic evaluation (before its checkpoint) meets the defect
         args = overrides(tmp_path, "step_raises", 40, **{"run.eval_every": 1, "run.checkpoint_every": 1,
                                                          "ppo.total_steps": 128})
         code, err = run_main(capsys, "train", *args)
@@ -101,8 +101,10 @@ def test_an_env_failing_during_evaluation_is_the_envs_error(tmp_path, capsys, du
         assert code == 0, err
         code, err = run_main(capsys, "eval", tmp_path / "run", "env.kwargs.defect=step_raises", "env.kwargs.at=5")
     assert code == 1, err
-    one_error_line(err, "env broken_envs:BrokenUnchecked-v0", "joint 3 over its torque limit")
+    line = one_error_line(err, "env broken_envs:BrokenUnchecked-v0", "joint 3 over its torque limit")
     nothing_half_written(tmp_path / "run")
+    if during == "periodic":  # no checkpoint and no logged row yet: the run left nothing, and says nothing of it
+        assert not (tmp_path / "run" / "config.yaml").exists() and ";" not in line, line
 
 
 @pytest.mark.parametrize("defect", ["step_reward_none", "step_reward_inf"])
@@ -134,24 +136,28 @@ def visppo_train(tmp_path, args: list[str]) -> subprocess.CompletedProcess:
                           timeout=600, env=env, cwd=tmp_path)
 
 
+KEPT = "the run's last checkpoint is kept: once the env is fixed, visppo train --resume"
+
+
 @pytest.mark.parametrize(("defect", "at", "extra", "needle", "kept"), [
-    # the start check's step, in the check's own process: no run folder
-    ("step_segfaults", 0, {}, "the process it runs in died of signal SIGSEGV during step()", None),
+    # the start check's step, in the check's own process: no run folder, nothing said about one
+    ("step_segfaults", 0, {}, "during step(), the process it runs in died of signal SIGSEGV (a crash in the env", None),
     # a rollout worker in iteration 2: iteration 1's checkpoint stays
-    ("step_segfaults", 40, {}, "died of signal SIGSEGV during step (a crash in the env", 64),
+    ("step_segfaults", 40, {}, ("during step, worker ", "died of signal SIGSEGV (a crash in the env"), 64),
     # the periodic evaluation of iteration 2 (its env's 80th call; the workers make 68 in 2 iterations)
     ("step_segfaults", 80, {"run.eval_every": 2, "ppo.total_steps": 192},
-     "the process it runs in died of signal SIGSEGV during step()", 64),
+     "during step(), the process it runs in died of signal SIGSEGV", 64),
     # sys.exit(3) in a worker, and in this process (env.vector=sync): never mistaken for an exit
-    ("step_exits", 40, {}, "exited with code 3 during step (sys.exit or os._exit", 64),
+    ("step_exits", 40, {}, ("during step, worker ", "exited with code 3 (sys.exit or os._exit"), 64),
     ("step_exits", 40, {"env.vector": "sync"}, "failed during step: called sys.exit(3)", 64),
 ], ids=["check-segfault", "rollout-segfault", "eval-segfault", "worker-sys-exit", "sync-sys-exit"])
 def test_an_env_that_ends_its_process_is_one_error_line_naming_the_env(tmp_path, defect, at, extra, needle, kept):
     args = overrides(tmp_path, defect, at, **{"run.checkpoint_every": 1, "ppo.total_steps": 128, **extra})
     proc = visppo_train(tmp_path, args)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    one_error_line(proc.stderr, "env broken_envs:BrokenUnchecked-v0", needle)
+    line = one_error_line(proc.stderr, "env broken_envs:BrokenUnchecked-v0", *([needle] if isinstance(needle, str) else needle))
     run_dir = tmp_path / "run"
+    assert (KEPT in line) == (kept is not None), line
     if kept is None:
         assert not run_dir.exists()
     else:

@@ -6,7 +6,7 @@ checks the config alone): an image observation (alone, or ``"pixels"`` in a Dict
 optional ``"state"`` Box) and a flat float Box or a Discrete action space.
 :func:`check_env` builds one env as training does, checks its spaces, resets it and steps it
 once, and names the first defect as a :class:`ConfigError` (the env is the user's input: exit 2,
-nothing written). Errors of an env during a run are :class:`RunError` (:func:`env_errors`), and so
+nothing written). Errors of an env during a run are :class:`EnvError` (:func:`env_errors`), and so
 is a crash of the process a user's env runs in (:mod:`visppo.env_process`), in the check too.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from visppo.errors import ConfigError, RunError, UserError
+from visppo.errors import ConfigError, EnvError, RunError, UserError
 
 FIX = "fix the env (or its env.kwargs)"
 
@@ -170,7 +170,7 @@ def check_env(cfg, make_env: Callable[[Any], gym.Env], seed: int = 0) -> None:
 def _check_env(cfg, name: str, seed: int, make_env) -> None:
     try:
         env = make_env(cfg)
-    except (UserError, RunError):  # RunError: the process it runs in died (visppo.env_process)
+    except (UserError, RunError):  # EnvError: the process it runs in died (visppo.env_process)
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's constructor
         raise ConfigError(f"env {name} could not be made: its constructor {raised(exc)}: {FIX}") from None
@@ -238,31 +238,31 @@ def _check_step(env: gym.Env, name: str) -> None:
 @contextmanager
 def env_errors(env_id: str, during: str) -> Iterator[None]:
     """An env that raises (or calls ``sys.exit``) while visppo drives it in this process, e.g.
-    during an evaluation: one :class:`RunError` naming the env and what it raised."""
+    during an evaluation: one :class:`EnvError` naming the env and what it raised."""
     try:
         yield
     except (UserError, RunError):
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001
-        raise RunError(f"env {env_id} failed during {during}: {raised(exc)}") from None
+        raise EnvError(f"env {env_id} failed during {during}: {raised(exc)}") from None
 
 
 def check_rollout_step(env_id: str, reward: np.ndarray, obs: dict[str, np.ndarray]) -> None:
     """A vector env's step during a rollout: finite rewards (a ``None`` reward arrives as NaN) and a
-    finite state vector, else a RunError naming the env (rather than a divergence later)."""
+    finite state vector, else an EnvError naming the env (rather than a divergence later)."""
     bad = ~np.isfinite(reward)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise RunError(f"env {env_id} returned a non-finite reward ({reward[i]}) in env {i} (a reward of None "
+        raise EnvError(f"env {env_id} returned a non-finite reward ({reward[i]}) in env {i} (a reward of None "
                        f"reads as nan): {FIX}")
     state = obs.get("state")
     if state is not None and not np.isfinite(state).all():
         i = int(np.flatnonzero(~np.isfinite(state).all(axis=tuple(range(1, state.ndim))))[0])
-        raise RunError(f"env {env_id} returned a non-finite state observation in env {i}: {FIX}")
+        raise EnvError(f"env {env_id} returned a non-finite state observation in env {i}: {FIX}")
 
 
 def success_of(value: Any, env_id: str) -> float:
-    """An ended episode's ``info["is_success"]`` as 0.0 / 1.0; anything but a bool is a RunError."""
+    """An ended episode's ``info["is_success"]`` as 0.0 / 1.0; anything but a bool is an EnvError."""
     if not _is_flag(value):
-        raise RunError(f"env {env_id} returned info['is_success']={value!r}: it must be True or False")
+        raise EnvError(f"env {env_id} returned info['is_success']={value!r}: it must be True or False")
     return float(value)

@@ -4,7 +4,7 @@ A user's env (``module:EnvId``) may segfault or call ``os._exit``; in the traini
 runs after that (exit 139, no message). :class:`EnvProcess` builds the env in a forkserver child
 and forwards ``reset``, ``step``, ``render`` and ``close`` to it through a pipe: what the env
 returns or raises (``sys.exit`` included) arrives unchanged, and a child that dies makes the call
-raise a :class:`RunError` naming the env and how its process ended. Vector envs of such envs step
+raise an :class:`EnvError` naming the env and how its process ended. Vector envs of such envs step
 in gymnasium's async workers instead (:func:`visppo.envs.use_async`), whose deaths
 :func:`visppo.envs.worker_errors` names with :func:`how_it_ended`.
 (A leaf: imports nothing of visppo but its errors.)
@@ -21,26 +21,21 @@ from typing import Any
 
 import gymnasium as gym
 
-from visppo.errors import RunError
+from visppo.errors import EnvError
 
 
 def how_it_ended(exitcode: int | None) -> str:
-    """A dead process's exit code in words: "died of signal SIGSEGV", "exited with code 3"."""
+    """A dead env process's exit code in words, with what ends a process that way: "died of signal
+    SIGSEGV (a crash in the env's code or a library it calls)", "exited with code 3 (...)"."""
     if exitcode is None:
         return "closed its pipe"
     if exitcode < 0:
         try:
-            return f"died of signal {signal.Signals(-exitcode).name}"
+            name = signal.Signals(-exitcode).name
         except ValueError:
-            return f"died of signal {-exitcode}"
-    return f"exited with code {exitcode}"
-
-
-def why(exitcodes: list[int | None]) -> str:
-    """What ended processes with these exit codes, in the env: a crash (a signal) or an exit."""
-    if any(code is not None and code < 0 for code in exitcodes):
-        return "a crash in the env's code or a library it calls"
-    return "sys.exit or os._exit in the env's code"
+            name = str(-exitcode)
+        return f"died of signal {name} (a crash in the env's code or a library it calls)"
+    return f"exited with code {exitcode} (sys.exit or os._exit in the env's code)"
 
 
 class EnvProcess(gym.Env):
@@ -99,13 +94,13 @@ class EnvProcess(gym.Env):
         except (EOFError, OSError):  # the child is gone: a crash of the env's code
             self._end()
             code = self._process.exitcode
-            cause = why([code])
-            if method == "constructor" and code is not None and code > 0:  # before it could answer
-                cause = ("os._exit in the env's constructor, or the error printed above: a script that "
-                         "starts visppo needs the `if __name__ == \"__main__\":` guard of multiprocessing")
-            raise RunError(f"env {self.name}: the process it runs in {how_it_ended(code)} during "
-                           f"{'its constructor' if method == 'constructor' else method + '()'} ({cause})"
-                           ) from None
+            if method == "constructor" and code is not None and code > 0:  # it never answered
+                raise EnvError(f"env {self.name}: the process it runs in exited with code {code} before the "
+                               "env was built: see the error printed above (a script that starts visppo needs "
+                               "the `if __name__ == \"__main__\":` guard of multiprocessing), or os._exit in "
+                               "the env's constructor") from None
+            where = "its constructor" if method == "constructor" else f"{method}()"
+            raise EnvError(f"env {self.name}: during {where}, the process it runs in {how_it_ended(code)}") from None
         if status == "raised":
             raise value
         return value

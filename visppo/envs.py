@@ -30,8 +30,8 @@ import numpy as np
 from visppo import seeding
 from visppo.config import Config
 from visppo.env_check import check_observation_space, env_errors, is_image_space, raised
-from visppo.env_process import EnvProcess, how_it_ended, why
-from visppo.errors import ConfigError, RunError
+from visppo.env_process import EnvProcess, how_it_ended
+from visppo.errors import ConfigError, EnvError, RunError
 from visppo_envs._gl import ensure_headless_gl
 
 SYNTHETIC_PREFIX = "visppo/Dot"
@@ -520,14 +520,17 @@ def preload_before_gl() -> None:
     import torch._dynamo  # noqa: F401
 
 
+@functools.cache
 def worker_start_method() -> str:
     """How env processes (async workers, an :class:`EnvProcess`) start: ``forkserver`` (forking
-    after an EGL context hangs), whose server imports this module once, so that each worker
-    forks with gymnasium and visppo loaded (1-2 s less per worker on a busy machine); ``spawn``
-    where there is no forkserver."""
+    after an EGL context hangs), else ``spawn``.
+
+    The first call also sets this process's forkserver preload list (multiprocessing keeps one
+    per process): the server, once it starts, imports the main module and this one, so that each
+    worker forks with gymnasium and visppo loaded (1-2 s less per worker on a busy machine)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["__main__", __name__])  # once it starts
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["__main__", __name__])
     return "forkserver"
 
 
@@ -542,10 +545,6 @@ def make_vector_env(cfg: Config, num_envs: int | None = None) -> gym.vector.Vect
     mode = gym.vector.AutoresetMode.SAME_STEP
     if use_async(cfg):
         ctx = worker_start_method()
-        # A worker's error is re-raised here and named as the env's by worker_errors; gymnasium also
-        # logs it (its traceback) as warnings, which would bury that one line.
-        warnings.filterwarnings("ignore", message=r".*ERROR: ", category=UserWarning,
-                                module=r"gymnasium\.vector\.async_vector_env")
         envs = gym.vector.AsyncVectorEnv(fns, shared_memory=True, context=ctx, autoreset_mode=mode)
     else:
         envs = gym.vector.SyncVectorEnv(fns, autoreset_mode=mode)
@@ -585,15 +584,20 @@ def _let_workers_go(envs: gym.vector.AsyncVectorEnv) -> None:
 
 
 @contextmanager
-def worker_errors(envs: gym.vector.VectorEnv, env_id: str) -> Iterator[None]:
-    """Turn a dead or failing worker into a :class:`RunError` naming the env.
+def worker_errors(envs: gym.vector.VectorEnv, env_id: str, during: str) -> Iterator[None]:
+    """Turn a dead or failing worker into an :class:`EnvError` naming the env and the call
+    (``during``: "reset", "step").
 
-    A worker that raises sends its exception back (gymnasium re-raises it here);
+    A worker that raises sends its exception back (gymnasium re-raises it here, and logs its
+    traceback as a warning, which would bury the one line: silenced for this call alone);
     a worker process that dies (segfault, OOM kill) closes its pipe, which
     surfaces as EOFError / BrokenPipeError instead of a hang.
     """
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*ERROR: ", category=UserWarning,
+                                    module=r"gymnasium\.vector\.async_vector_env")
+            yield
     except RunError:
         raise
     except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
@@ -601,9 +605,8 @@ def worker_errors(envs: gym.vector.VectorEnv, env_id: str) -> Iterator[None]:
         deadline = time.monotonic() + 2  # a dying worker's exit code comes a moment after its pipe closes
         while all(p.exitcode is None for p in processes) and time.monotonic() < deadline:
             time.sleep(0.01)
-        codes = [p.exitcode for p in processes if p.exitcode is not None]
         dead = [f"worker {i} {how_it_ended(p.exitcode)}" for i, p in enumerate(processes) if p.exitcode is not None]
-        raise RunError(f"env {env_id}: {', '.join(dead) or f'a worker died ({type(exc).__name__})'} during step "
-                       f"({why(codes)}); the last checkpoint is intact") from None
+        raise EnvError(f"env {env_id}: during {during}, {', '.join(dead) or f'a worker died ({type(exc).__name__})'}"
+                       ) from None
     except (Exception, SystemExit) as exc:  # an in-process env's sys.exit too
-        raise RunError(f"env {env_id} failed during step: {raised(exc)}") from exc
+        raise EnvError(f"env {env_id} failed during {during}: {raised(exc)}") from exc

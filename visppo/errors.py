@@ -1,7 +1,7 @@
 """The errors visppo raises on purpose, and how the CLI shows each (a leaf: imports nothing of visppo).
 
 ``UserError`` and its ``ConfigError`` are bad input the user fixes (one ``error:`` line, exit 2);
-``RunError`` a run that cannot go on (exit 1); ``Stopped`` a run stopped by a signal once its
+``RunError`` a run that cannot go on (exit 1), ``EnvError`` the env's part of them; ``Stopped`` a run stopped by a signal once its
 final checkpoint is written (exit 128 + the signal).
 """
 
@@ -18,6 +18,11 @@ class ConfigError(UserError):
 
 class RunError(RuntimeError):
     """A run that cannot go on (an env worker died, training diverged); shown as one ``error:`` line, exit 1."""
+
+
+class EnvError(RunError):
+    """The env failed while the run drove it (it raised, returned what it must not, or its process
+    died): the message names the env; the training loop adds what the run kept on disk."""
 
 
 class Stopped(Exception):

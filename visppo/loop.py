@@ -43,7 +43,7 @@ from visppo.config import Config, to_yaml
 from visppo.encoders import FreezeSchedule
 from visppo.env_check import check_env
 from visppo.envs import check_env_id, close_vector_env, make_env, make_vector_env, preload_before_gl
-from visppo.errors import ConfigError, RunError, Stopped
+from visppo.errors import ConfigError, EnvError, RunError, Stopped
 from visppo.evaluate import run_episodes
 from visppo.health import PROBE_SAMPLES, activation_health, probe_index
 from visppo.metrics import Logger, PhaseTimer, check_tracking, iteration_profiler, open_tracker
@@ -147,7 +147,7 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
     ctx = distributed.Context.from_env()  # torchrun's RANK, WORLD_SIZE...; a world of one without them
     check_tracking(cfg)  # run.wandb without the wandb extra: refused before anything is written
     run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
-    with ExitStack() as stack, disk_errors(run_dir):
+    with env_faults(run_dir), ExitStack() as stack, disk_errors(run_dir):
         signals = stack.enter_context(deferred_signals(run_dir))  # stops the start; saves once armed
         if ctx.is_main:  # rank 0 alone writes the run directory
             if resume is None:
@@ -208,6 +208,23 @@ def disk_errors(run_dir: Path) -> Iterator[None]:
                 if has_checkpoint(run_dir) else "start the run again (it had written no checkpoint)")
         raise RunError(f"no space left on the device writing {exc.filename or run_dir}: free some space, "
                        f"then {then}") from None
+
+
+@contextmanager
+def env_faults(run_dir: Path) -> Iterator[None]:
+    """The env's error during the run (an :class:`EnvError`, raised below the loop), once the run
+    has closed: the same line, with what the run left on disk and how to go on from it."""
+    try:
+        yield
+    except EnvError as exc:
+        if has_checkpoint(run_dir):
+            kept = (f"the run's last checkpoint is kept: once the env is fixed, visppo train --resume {run_dir} "
+                    "goes on from it")
+        elif (run_dir / "config.yaml").exists():
+            kept = f"the run had written no checkpoint: delete {run_dir} and start it again"
+        else:
+            raise  # before the run wrote anything (the start check): nothing to say about the disk
+        raise EnvError(f"{exc}; {kept}") from None
 
 
 def has_checkpoint(run_dir: Path) -> bool:

@@ -61,7 +61,7 @@ class RolloutState:
 
     @classmethod
     def start(cls, envs: gym.vector.VectorEnv, seed: int | list[int]) -> RolloutState:
-        with worker_errors(envs, getattr(envs, "env_id", "?")):
+        with worker_errors(envs, getattr(envs, "env_id", "?"), "reset"):
             obs, _ = envs.reset(seed=seed)
         n = envs.num_envs
         return cls(obs=obs, episode_return=np.zeros(n), episode_length=np.zeros(n, dtype=np.int64))
@@ -103,7 +103,7 @@ def collect(envs: gym.vector.VectorEnv, policy: ActorCritic, buffer: RolloutBuff
         buffer.logp[t] = logp.float().cpu()
         buffer.values[t] = value.float().cpu()
         env_action = action.numpy() if low is None else np.clip(action.numpy(), low, high)  # stored unclipped
-        with worker_errors(envs, env_id):
+        with worker_errors(envs, env_id, "step"):
             obs, reward, terminated, truncated, info = envs.step(env_action)
         check_rollout_step(env_id, reward, obs)
         buffer.rewards[t] = torch.as_tensor(reward, dtype=torch.float32)

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "visppo"
 
 LAYERS = [
     {"errors", "atomic"},  # leaves: nothing of visppo
-    {"config", "memory", "metrics", "augment", "buffer", "seeding", "extras", "env_check",
+    {"config", "memory", "metrics", "buffer", "seeding", "extras", "env_check",
      "env_process"},  # leaves: nothing of visppo but config
     {"precision", "distributed", "envs", "checkpoint", "video", "value_norm"},
     {"encoders"},

@@ -398,7 +398,7 @@ def test_plot_into_a_directory_and_resume_of_a_file_are_refused(run_copy, capsys
     (["train.threads=1e9"], None, "train.threads must be at most 1024"),  # torch aborted the process
     (["train.seed=1e12"], None, "train.seed must be in 0 .. 2**31 - 1"),  # numpy's traceback
     (["train.seed=-1"], None, "train.seed must be in 0 .. 2**31 - 1"),
-    (["model.shift_pad=%"], None, "cannot parse override 'model.shift_pad=%'"),  # was three lines
+    (["model.feature_dim=%"], None, "cannot parse override 'model.feature_dim=%'"),  # was three lines
     ([], "ppo: 5\n", "'ppo' in"),  # OmegaConf's "int is not a subclass of PPOConfig"
     ([], "env: [1, 2]\n", "must be a section of keys"),
 ])

@@ -111,6 +111,7 @@ RETIRED = {  # issue 55: the keys removed on 2026-12-03, their old defaults and 
     "ppo.reward_coef": (0.0, 1.0), "model.detach_actor": (False, True), "model.privileged_critic": (False, True),
     "model.action_dist": ("normal", "beta"), "model.noise_beta": (0.0, 0.5), "model.keypoint_norm": (0, 4096),
     "ppo.drac_coef": (0.0, 0.1), "model.rotate_degrees": (180.0, 90), "model.final_log_std": (None, -1.6),
+    "model.augment": ("none", "shift"), "model.shift_pad": (4, 8), "ppo.augment_loss": (False, True),
 }
 
 
@@ -136,17 +137,23 @@ def test_each_retired_key_is_refused_as_removed_and_dropped_at_its_old_default(t
     assert from_dict(saved) == Config()
 
 
-def test_model_augment_rotate_is_refused_as_removed(tmp_path, capsys):
-    """The value rotate (random turns) went on 2026-12-03: on the command line and in a saved
-    config it is refused with one line that names what to set instead."""
+def test_random_shifts_are_refused_as_removed_and_an_old_config_without_them_loads(tmp_path, capsys):
+    """Random shifts went on 2026-12-03 (docs/recipe.md, arm C): a config saved before, holding
+    model.augment, model.shift_pad and ppo.augment_loss at their old defaults, loads as today's;
+    one that used shifts (or the earlier rotate), on the command line or in a file, is refused
+    with one line that says why and where the figures are."""
     from visppo.cli import main
 
-    removed = r"model[.]augment=rotate \(.*\) was removed on 2026-12-03 .*set model[.]augment=shift"
-    with pytest.raises(ConfigError, match=removed):
-        load_config(None, ["model.augment=rotate", "ppo.augment_loss=true"])
-    code, err = main(["config", "model.augment=rotate"]), capsys.readouterr().err
-    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "was removed" in err, err
     path = tmp_path / "old.yaml"
-    path.write_text("model:\n  augment: rotate\n  rotate_degrees: 180.0\nppo:\n  augment_loss: true\n")
-    with pytest.raises(ConfigError, match=removed + r".*old\.yaml"):
-        load_config(path)
+    path.write_text("model:\n  augment: none\n  shift_pad: 4\n  feature_dim: 128\nppo:\n  augment_loss: false\n")
+    assert load_config(path) == load_config(None, ["model.feature_dim=128"])
+    removed = r"model[.]augment \(.*\) was removed on 2026-12-03 \(random shifts .*: docs/recipe[.]md\); delete the key"
+    for value in ("shift", "rotate"):
+        with pytest.raises(ConfigError, match=removed):
+            load_config(None, [f"model.augment={value}", "ppo.augment_loss=true"])
+        code, err = main(["config", f"model.augment={value}"]), capsys.readouterr().err
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "was removed" in err, err
+        path.write_text(f"model:\n  augment: {value}\n  shift_pad: 4\n  rotate_degrees: 180.0\n"
+                        "ppo:\n  augment_loss: true\n")
+        with pytest.raises(ConfigError, match=removed + r".*old\.yaml"):
+            load_config(path)

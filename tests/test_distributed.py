@@ -25,8 +25,7 @@ import torch.multiprocessing as mp
 from conftest import tiny_overrides, update_with
 
 import visppo.ppo as ppo_module
-from visppo import distributed, seeding
-from visppo.augment import make_augmentation
+from visppo import distributed
 from visppo.buffer import RolloutBuffer, minibatches
 from visppo.config import ModelConfig, PPOConfig, load_config
 from visppo.encoders import FreezeSchedule
@@ -44,11 +43,9 @@ SCENARIOS = {
     # approx-KL of the minibatches: 7.5e-4, 1.8e-3 (1.5e-3 on rank 1 alone, then 0.7e-3, 2.9e-3):
     # the update stops after one step, on both ranks; a per-rank check would stop rank 1 first
     "target_kl": ({"target_kl": 8e-4}, {}, 0),
-    "augment_loss": ({"augment_loss": True}, {"augment": "shift"}, 0),  # every loss on shifted frames
     # the returns' statistics over both ranks (std 2.3; rank 0's alone would be floored at 1)
     "norm_value": ({}, {"norm_value": True}, 0),
 }
-EQUIVALENT = ("micro", "freeze", "target_kl", "norm_value")  # the shifts are drawn per rank: not one process's
 STEPS_PER_UPDATE = 6  # 2 epochs x 3 minibatches
 BACKWARDS_PER_UPDATE = 16  # 2 epochs x (3 + 3 + 2) micro-batches
 
@@ -141,16 +138,13 @@ def _rank_worker(rank: int, world: int, port: int, out: str) -> None:
         distributed.dist.all_reduce = counting_all_reduce
         policy.score_actions = counting(policy.score_actions)
         generator = torch.Generator().manual_seed(_minibatch_seed(rank))
-        # as train() does (builders.build_augmentation): each rank its own shifts
-        augment = make_augmentation(SCENARIOS[name][1].get("augment", "none"), 4,
-                                    seed=seeding.augment_seed(0, rank))
         first = update_with(policy, optimizer, _fill(policy, rank, 0), cfg, MICRO, 1024,
-                            generator, before_step=freeze, across_ranks=True, augment=augment)
+                            generator, before_step=freeze, across_ranks=True)
         after_first = {k: v.clone() for k, v in policy.state_dict().items()}
         first_counts = dict(counts)
         for k in (1, 2):  # more updates on fresh rollouts
             update_with(policy, optimizer, _fill(policy, rank, k), cfg, MICRO, 1024,
-                        generator, before_step=freeze, across_ranks=True, augment=augment)
+                        generator, before_step=freeze, across_ranks=True)
         everyone = distributed.all_gather([p.detach().clone() for p in policy.parameters()])
         results[name] = {
             "params_after_first": after_first, "optimizer_steps": first.optimizer_steps,
@@ -197,7 +191,7 @@ def _reference_worker(_index: int, out: str) -> None:
     kernels that a different thread count picks."""
     torch.set_num_threads(1)
     results = {}
-    for name in EQUIVALENT:
+    for name in SCENARIOS:
         policy, result = _one_process_update(name)
         results[name] = {"params": policy.state_dict(), "optimizer_steps": result.optimizer_steps,
                          "early_stopped": result.early_stopped}
@@ -212,7 +206,7 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", EQUIVALENT)
+@pytest.mark.parametrize("name", list(SCENARIOS))
 def test_one_update_of_two_ranks_equals_one_process_over_the_concatenated_rollouts(two_ranks, one_process, name):
     """Same parameters (fp32) after one update: gradient averaged over the ranks, advantages
     normalised and approx-KL checked over the minibatch of both, micro-batches accumulated."""
@@ -239,7 +233,7 @@ def test_two_all_reduces_per_optimizer_step(two_ranks):
     """Micro-batches accumulate locally: the gradients of the 16 backward passes of an update are
     all-reduced 6 times, once per optimizer step, together with the minibatch statistics and the
     out-of-memory flag; the advantage mean and std are the only other all-reduce."""
-    for name in ("micro", "freeze", "augment_loss"):
+    for name in ("micro", "freeze"):
         counts = two_ranks[name]["counts"]
         assert counts["backwards"] == BACKWARDS_PER_UPDATE, name
         assert counts["gradient_all_reduces"] == STEPS_PER_UPDATE, (name, counts)
@@ -253,8 +247,7 @@ def test_two_all_reduces_per_optimizer_step(two_ranks):
 # episodes of 16 steps, rollouts of 32: every iteration starts on fresh episodes (exact resume)
 EXACT = {"env.max_episode_steps": 16, "ppo.total_steps": 384, "run.checkpoint_every": 1,
          "train.deterministic": "true", "ppo.minibatch_size": 24, "memory.micro_batch_size": 10,
-         "run.tensorboard": "true", "model.augment": "shift", "ppo.augment_loss": "true", "ppo.norm_reward": "true",
-         "model.norm_value": "true"}
+         "run.tensorboard": "true", "ppo.norm_reward": "true", "model.norm_value": "true"}
 
 
 def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
@@ -291,8 +284,6 @@ def test_torchrun_two_processes_rank_0_writes_and_the_run_resumes_exactly(tmp_pa
     ckpt = torch.load(full / "checkpoints" / "latest.pt", weights_only=True)
     assert ckpt["world_size"] == 2 and len(ckpt["ranks"]) == 2
     assert not torch.equal(ckpt["ranks"][0]["rng"]["torch"], ckpt["ranks"][1]["rng"]["torch"])
-    # each rank draws its own augmentation shifts (seeded by rank)
-    assert not torch.equal(ckpt["ranks"][0]["augment_generator"], ckpt["ranks"][1]["augment_generator"])
     # ppo.norm_reward: one reward scale for all ranks, from every rank's returns (2 x 64 per iteration)
     scales = [r["reward_scale"] for r in ckpt["ranks"]]
     assert scales[0]["count"] == scales[1]["count"] == pytest.approx(384, abs=1e-3)

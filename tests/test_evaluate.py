@@ -205,7 +205,8 @@ def test_an_old_checkpoint_with_retired_keys_and_heads_evaluates_resumes_and_giv
 
 
 @pytest.mark.parametrize("section,name,value", [("ppo", "drac_coef", 0.1), ("model", "final_log_std", -1.6),
-                                                ("model", "rotate_degrees", 90.0), ("model", "augment", "rotate")])
+                                                ("model", "rotate_degrees", 90.0), ("model", "augment", "rotate"),
+                                                ("model", "augment", "shift"), ("ppo", "augment_loss", True)])
 def test_an_old_checkpoint_that_used_a_retired_key_is_refused_with_its_line(ckpt, run_dir, tmp_path, capsys,
                                                                            section, name, value):
     """A checkpoint whose stored config used a key (or value) removed on 2026-12-03 is refused, by

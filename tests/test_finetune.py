@@ -1,5 +1,5 @@
 """Fine-tuning pretrained encoders (issue 6): weights, freezing, lr groups, BatchNorm, checkpointing,
-micro-batching with a ResNet, and augmentation that only the update sees."""
+micro-batching with a ResNet."""
 
 import re
 
@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import infer_with, setup_of, tiny_overrides, update_with
+from conftest import setup_of, tiny_overrides, update_with
 
-from visppo.augment import make_augmentation
 from visppo.buffer import RolloutBuffer
 from visppo.builders import build_optimizer, build_policy
 from visppo.config import ModelConfig, PPOConfig, load_config
@@ -55,12 +54,6 @@ def _setup(encoder="nature", side=48, c=3, T=4, N=2, seed=0, state=True, **model
     buf.advantages.normal_(generator=g)
     buf.returns.copy_(buf.values + buf.advantages)
     return policy, buf
-
-
-def _setup_aug(encoder="nature", side=48, augment="shift", shift_pad=4, seed=0, **kw):
-    """``_setup`` and the update's augmentation (``builders.build_augmentation`` builds it in a run)."""
-    policy, buf = _setup(encoder, side, seed=seed, **kw)
-    return policy, buf, make_augmentation(augment, shift_pad, seed=seed)
 
 
 def _snapshot(params):
@@ -234,13 +227,11 @@ def test_batchnorm_statistics_do_not_move_during_training():
     assert not torch.equal(conv, policy.encoder.pixels.net.layer1[0].conv1.weight)
 
 
-def _grads(policy, buf, mb, micro, cfg, seed=None, aug=None):
-    if seed is not None:
-        aug.generator.manual_seed(seed)  # the same augmentation draws
+def _grads(policy, buf, mb, micro, cfg):
     policy.zero_grad(set_to_none=True)
     adv = buf.flat(buf.advantages)[mb]
     adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-    stats = minibatch_gradient(policy, buf, mb, adv, setup_of(cfg, micro, augment=aug))
+    stats = minibatch_gradient(policy, buf, mb, adv, setup_of(cfg, micro))
     return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, stats
 
 
@@ -259,100 +250,12 @@ def test_checkpointing_gives_the_same_gradients_in_theupdate_with():
     _assert_same_grads(*grads)
 
 
-@pytest.mark.parametrize("use", ["none", "loss"])
-def test_accumulated_gradient_equals_full_minibatch_gradient_resnet(use):
-    policy, buf, aug = _setup_aug("resnet18", 32, "shift", 2, T=4, N=2)
-    aug = aug if use != "none" else None
-    cfg = PPOConfig(clip_value=True, entropy_coef=0.01, augment_loss=use == "loss")
+def test_accumulated_gradient_equals_full_minibatch_gradient_resnet():
+    policy, buf = _setup("resnet18", 32, T=4, N=2)
+    cfg = PPOConfig(clip_value=True, entropy_coef=0.01)
     mb = torch.randperm(buf.size, generator=torch.Generator().manual_seed(1))[:7]
-    seed = 11 if use != "none" else None
-    full, full_stats = _grads(policy, buf, mb, 7, cfg, seed, aug)
-    acc, acc_stats = _grads(policy, buf, mb, 3, cfg, seed, aug)
+    full, full_stats = _grads(policy, buf, mb, 7, cfg)
+    acc, acc_stats = _grads(policy, buf, mb, 3, cfg)
     _assert_same_grads(full, acc, atol=1e-7)
     for k in full_stats:
         assert float(acc_stats[k]) == pytest.approx(float(full_stats[k]), rel=1e-5, abs=1e-7), k
-
-
-def test_augment_loss_is_the_ppo_gradient_on_the_minibatchs_shifted_frames():
-    """ppo.augment_loss (RAD): the update's gradient is the plain one on a copy of the frames shifted
-    by the minibatch's draws; logp_old, values and returns stay the buffer's."""
-    policy, buf, aug = _setup_aug("nature", 48, "shift", 4, T=4, N=2)
-    mb = torch.tensor([5, 0, 3, 6, 1, 2])
-    aug.generator.manual_seed(7)
-    offsets, _ = aug.draw_ahead(len(mb))
-    moved = aug.apply(buf.flat(buf.obs["pixels"])[mb], offsets)
-    assert not torch.equal(moved, buf.flat(buf.obs["pixels"])[mb])  # some sample is really moved
-    got, _ = _grads(policy, buf, mb, 4, PPOConfig(augment_loss=True, entropy_coef=0.01), seed=7, aug=aug)
-    shifted = buf.flat(buf.obs["pixels"]).clone()
-    shifted[mb] = aug.apply(shifted[mb], offsets)
-    buf.obs["pixels"].copy_(shifted.view(buf.obs["pixels"].shape))
-    want, _ = _grads(policy, buf, mb, 6, PPOConfig(entropy_coef=0.01))
-    _assert_same_grads(got, want, atol=1e-7)
-    plain, _ = _grads(policy, buf, mb, 6, PPOConfig(augment_loss=True, entropy_coef=0.01), seed=8, aug=aug)
-    assert any(not torch.equal(plain[k], want[k]) for k in want)  # other draws, another gradient
-
-
-# --------------------------------------------------------------------------- augmentation: update only
-
-
-def test_augmentation_is_applied_in_the_update_and_never_when_acting(monkeypatch):
-    policy, buf, aug = _setup_aug("nature", 48, "shift", 4)
-    plain = ActorCritic(_space(3, 48, True), BOX, ModelConfig(encoder="nature", feature_dim=16, hidden_dim=16))
-    plain.load_state_dict(policy.state_dict())
-    calls = []
-    apply = aug.apply
-    monkeypatch.setattr(aug, "apply", lambda x, o: calls.append(len(x)) or apply(x, o))
-    rng = aug.generator.get_state()
-    obs = {k: buf.flat(v) for k, v in buf.obs.items()}
-    with torch.no_grad():
-        a1, lp1, v1 = policy.act(obs, deterministic=True)
-        a2, lp2, v2 = policy.act(obs, deterministic=True)
-        a3, lp3, v3 = plain.act(obs, deterministic=True)
-    assert torch.equal(a1, a2) and torch.equal(v1, v2)
-    torch.testing.assert_close(a1, a3)
-    torch.testing.assert_close(v1, v3)
-    values, logp = infer_with(policy, obs, buf.flat(buf.actions), 3)
-    ref_values, ref_logp = infer_with(plain, obs, buf.flat(buf.actions), 3)
-    torch.testing.assert_close(values, ref_values)
-    torch.testing.assert_close(logp, ref_logp)
-    assert calls == [] and torch.equal(aug.generator.get_state(), rng)
-
-    mb = torch.arange(8)
-    _grads(policy, buf, mb, 4, PPOConfig(augment_loss=False), aug=aug)
-    assert calls == [] and torch.equal(aug.generator.get_state(), rng)  # no use: no draw
-    _grads(policy, buf, mb, 4, PPOConfig(augment_loss=True), aug=aug)
-    assert calls == [4, 4]  # each micro-batch of the update, on its shifted copy
-    assert not torch.equal(aug.generator.get_state(), rng)
-
-
-class _OOMAbove:
-    """Wraps a policy: score_actions() raises an out-of-memory error for batches above ``limit``."""
-
-    def __init__(self, policy, limit):
-        self.policy, self.limit = policy, limit
-
-    def __getattr__(self, name):
-        return getattr(self.policy, name)
-
-    def score_actions(self, obs, actions):
-        if len(actions) > self.limit:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return self.policy.score_actions(obs, actions)
-
-
-def test_an_oom_retry_draws_the_same_augmentation():
-    """The OOM back-off halves the micro-batch and retries: the shifts, hence the update, are the same."""
-    from visppo.ppo import MemorySizes
-
-    (policy, buf, aug), (ref, _, ref_aug) = _setup_aug(shift_pad=2), _setup_aug(shift_pad=2)
-    cfg = PPOConfig(num_epochs=1, minibatch_size=8, augment_loss=True)
-    sizes = MemorySizes(micro=8, chunk=8)
-    with pytest.warns(RuntimeWarning, match="out of memory"):
-        update_with(_OOMAbove(policy, 4), torch.optim.Adam(policy.parameters(), lr=1e-3), buf, cfg, sizes, None, torch.Generator().manual_seed(0),
-                    augment=aug)
-    assert sizes.micro == 4
-    update_with(ref, torch.optim.Adam(ref.parameters(), lr=1e-3), buf, cfg, 8, 8,
-                torch.Generator().manual_seed(0), augment=ref_aug)
-    assert torch.equal(aug.generator.get_state(), ref_aug.generator.get_state())
-    for a, b in zip(policy.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -76,12 +76,3 @@ def test_training_resets_its_envs_with_the_derived_seeds(tmp_path):
         streams = set(run.envs.get_attr("stream"))
     assert bases == [seeding.env_seed(4, 0, i) for i in range(cfg.ppo.num_envs)]
     assert streams == {seeding.TRAIN}
-
-
-def test_augmentation_seeds_differ_by_run_and_rank_and_from_env_seeds():
-    seeds = {seeding.augment_seed(s, r) for s in (1, 2, 3) for r in range(4)}
-    assert len(seeds) == 12
-    envs = {seeding.env_seed(s, r, i) for s in (1, 2, 3) for r in range(4) for i in range(8)}
-    assert not seeds & envs
-    with pytest.raises(ValueError):
-        seeding.augment_seed(-1, 0)

@@ -34,7 +34,7 @@ import gymnasium as gym
 import torch
 
 from visppo.buffer import RolloutBuffer
-from visppo.builders import build_augmentation, build_optimizer, build_policy, resolve_device
+from visppo.builders import build_optimizer, build_policy, resolve_device
 from visppo.config import Config, load_config
 from visppo.envs import make_env, preload_before_gl
 from visppo.errors import UserError
@@ -133,7 +133,7 @@ class Setup:
         generator = torch.Generator().manual_seed(cfg.train.seed)
         self.micro = micro or cfg.ppo.minibatch_size
         setup = UpdateSetup(ppo_cfg, MemorySizes(self.micro, int(cfg.memory.infer_chunk_size)), device,
-                            precision, generator, augment=build_augmentation(cfg))
+                            precision, generator)
         self.run = lambda: update(policy, optimizer, buffer, setup)
         self.seconds: list[float] = []
         self.skipped = self.run().skipped_steps  # warm-up: also creates the Adam state, so peaks exclude it

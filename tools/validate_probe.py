@@ -127,7 +127,7 @@ def make_buffer(cfg, device: torch.device):
 
 def _workload(cfg, device: torch.device, kind: str, size: int, phase):
     """Build what training builds and run it; ``phase(name)`` is a context manager around each part."""
-    from visppo.builders import build_augmentation, build_optimizer, build_policy
+    from visppo.builders import build_optimizer, build_policy
     from visppo.ppo import MemorySizes, UpdateSetup, infer, update
     from visppo.precision import resolve_precision
 
@@ -138,8 +138,7 @@ def _workload(cfg, device: torch.device, kind: str, size: int, phase):
         optimizer = build_optimizer(cfg, policy)
         precision = resolve_precision(cfg.train.amp, device)
     micro = size if kind == "micro_batch" else cfg.ppo.minibatch_size
-    setup = UpdateSetup(cfg.ppo, MemorySizes(micro, 1024), device, precision, torch.Generator().manual_seed(1),
-                        augment=build_augmentation(cfg))
+    setup = UpdateSetup(cfg.ppo, MemorySizes(micro, 1024), device, precision, torch.Generator().manual_seed(1))
     with phase("update"):
         update(policy, optimizer, buf, setup)
     if kind == "infer_chunk":
@@ -271,7 +270,7 @@ def headline(amp: str) -> dict:
 
 def _headline_update(cfg, device: torch.device, micro: int, chunk: int):
     """A full update and chunked no-grad pass at the given sizes; returns what it used."""
-    from visppo.builders import build_augmentation, build_optimizer, build_policy
+    from visppo.builders import build_optimizer, build_policy
     from visppo.ppo import MemorySizes, UpdateSetup, infer, update
     from visppo.precision import resolve_precision
 
@@ -280,8 +279,7 @@ def _headline_update(cfg, device: torch.device, micro: int, chunk: int):
     optimizer = build_optimizer(cfg, policy)
     precision = resolve_precision(cfg.train.amp, device)
     sizes = MemorySizes(micro, chunk)
-    update(policy, optimizer, buf, UpdateSetup(cfg.ppo, sizes, device, precision, torch.Generator().manual_seed(1),
-                                              augment=build_augmentation(cfg)))
+    update(policy, optimizer, buf, UpdateSetup(cfg.ppo, sizes, device, precision, torch.Generator().manual_seed(1)))
     infer(policy, buf.flat_obs(), buf.flat(buf.actions), sizes, device, precision)
     return sizes, policy, buf, precision
 
@@ -291,7 +289,6 @@ def split_vs_unsplit(cfg, policy, buf, precision, device: torch.device, micro: i
     (fp16: both scaled by the same GradScaler scale, which divides out of the ratio). A scale
     whose scaled gradient overflows is one the scaler would skip the step for and halve, so the
     comparison halves it too until both gradients are finite."""
-    from visppo.builders import build_augmentation
     from visppo.ppo import MemorySizes, UpdateSetup, minibatch_gradient
 
     mb = torch.arange(cfg.ppo.minibatch_size)
@@ -300,8 +297,7 @@ def split_vs_unsplit(cfg, policy, buf, precision, device: torch.device, micro: i
         grads = []
         for size in (micro, cfg.ppo.minibatch_size):
             policy.zero_grad(set_to_none=True)
-            minibatch_gradient(policy, buf, mb, adv, UpdateSetup(cfg.ppo, MemorySizes(size, size), device, precision,
-                                                                 augment=build_augmentation(cfg)))  # same draws
+            minibatch_gradient(policy, buf, mb, adv, UpdateSetup(cfg.ppo, MemorySizes(size, size), device, precision))
             grads.append(torch.cat([p.grad.float().flatten() for p in policy.parameters() if p.grad is not None]))
         policy.zero_grad(set_to_none=True)
         if precision.scaler is None or all(bool(g.isfinite().all()) for g in grads):

@@ -13,8 +13,6 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from visppo import seeding
-from visppo.augment import Augmentation, make_augmentation
 from visppo.config import Config
 from visppo.errors import ConfigError
 from visppo.memory import format_bytes
@@ -111,14 +109,6 @@ def build_policy(cfg: Config, obs_space: gym.spaces.Dict, action_space: gym.Spac
     if cfg.train.channels_last:
         policy = policy.to(memory_format=torch.channels_last)
     return policy
-
-
-def build_augmentation(cfg: Config, rank: int = 0) -> Augmentation | None:
-    """``model.augment``: the update's augmentation (None for ``none``), seeded from
-    (``train.seed``, ``rank``) so each rank draws its own and a run its same ones; the update
-    draws from it (``UpdateSetup.augment``) and checkpoints save its generator per rank."""
-    m = cfg.model
-    return make_augmentation(m.augment, m.shift_pad, seed=seeding.augment_seed(cfg.train.seed, rank))
 
 
 def build_optimizer(cfg: Config, policy: ActorCritic) -> torch.optim.Adam:

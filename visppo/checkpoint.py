@@ -176,14 +176,11 @@ RESUMABLE = ("ppo.total_steps", "run.progress", "run.tensorboard", "run.log_ever
 """Keys a resumed run may change; everything else would make it a different run."""
 
 
-def rank_state(generator: torch.Generator, envs, augment=None, reward_scale=None) -> dict:
+def rank_state(generator: torch.Generator, envs, reward_scale=None) -> dict:
     """The states a process's own streams need to resume: RNGs, minibatch order, env episode
-    counters, its augmentation draws (each rank draws its own), and with ``ppo.norm_reward`` the
-    return statistics (its envs' running returns)."""
+    counters, and with ``ppo.norm_reward`` the return statistics (its envs' running returns)."""
     state = {"rng": rng_state(), "minibatch_generator": generator.get_state(),
              "env_episodes": [int(e) for e in envs.get_attr("episode")]}
-    if augment is not None:
-        state["augment_generator"] = augment.generator.get_state()
     if reward_scale is not None:
         state["reward_scale"] = reward_scale.state_dict()
     return state
@@ -306,7 +303,7 @@ def resume_for_rank(ckpt: dict, ctx: distributed.Context) -> dict:
 
 def restore(ckpt: dict, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scaler: torch.amp.GradScaler | None, generator: torch.Generator, envs,
-            reward_scale=None, augment=None) -> tuple[int, int]:
+            reward_scale=None) -> tuple[int, int]:
     """Load every state a checkpoint carries; returns (first iteration to run, global step).
     Call :func:`set_rng_state` (``ckpt["rng"]``) last, once building has drawn what it draws."""
     try:
@@ -317,8 +314,6 @@ def restore(ckpt: dict, policy: torch.nn.Module, optimizer: torch.optim.Optimize
     if scaler and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
     generator.set_state(ckpt["minibatch_generator"])
-    if augment is not None and "augment_generator" in ckpt:
-        augment.generator.set_state(ckpt["augment_generator"])
     envs.set_attr("episode", list(ckpt["env_episodes"]))
     if reward_scale is not None and "reward_scale" in ckpt:
         reward_scale.load_state_dict(ckpt["reward_scale"])

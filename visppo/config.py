@@ -31,7 +31,6 @@ from visppo.errors import ConfigError, RunError, Stopped, UserError  # noqa: F40
 TORCHVISION_ENCODERS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
 """model.encoder names built by torchvision (visppo.encoders knows how to cut each family)."""
 ENCODERS = ("nature", "impala", "drq", "spatial_softmax", *TORCHVISION_ENCODERS)
-AUGMENTATIONS = ("none", "shift")
 
 
 @dataclass
@@ -78,10 +77,6 @@ class ModelConfig:
     """Recompute the trunk's activations block by block in backward (less memory, about 1/3 more compute); not for nature, drq or spatial_softmax."""
     resize: int = 0
     """Resize frames to this side before a torchvision backbone (224 is ImageNet's); 0 keeps env.image_size."""
-    augment: str = "none"
-    """none | shift: random shifts of the update's frames (never when acting), for ppo.augment_loss. (evidence: docs/learning.md)"""
-    shift_pad: int = 4
-    """Largest shift in pixels for augment=shift (pad and random crop, as DrQ)."""
     feature_dim: int = 256
     """Width of the encoder's output features."""
     hidden_dim: int = 256
@@ -140,8 +135,6 @@ class PPOConfig:
     """Recompute values and advantages (chunked, no grad) at the start of every epoch."""
     adam_eps: float = 1e-5
     """Adam epsilon (> 0)."""
-    augment_loss: bool = False
-    """Every loss of the update reads model.augment's frames, drawn afresh per minibatch (RAD, Laskin et al. 2020); logp_old stays the acting pass's; needs model.augment=shift. (evidence: docs/learning.md)"""
 
 
 @dataclass
@@ -371,11 +364,12 @@ def _count_nodes(data: Any, limit: int) -> int:
     return count
 
 
-def _lost(key: str, what: str, why: str = "it lost") -> str:
-    return f"{key} ({what}) was removed on 2026-12-03 ({why}: docs/learning.md); delete the key"
+def _lost(key: str, what: str, why: str = "it lost", evidence: str = "docs/learning.md") -> str:
+    return f"{key} ({what}) was removed on 2026-12-03 ({why}: {evidence}); delete the key"
 
 
 UNADOPTED = "the one learning recipe does not use it"
+SHIFTS_LOST = "random shifts in every loss lost on two of three dev tasks"
 
 
 REMOVED = {
@@ -397,17 +391,12 @@ REMOVED = {
     "model.rotate_degrees": (180.0, _lost("model.rotate_degrees", "the largest turn of model.augment=rotate",
                                           UNADOPTED)),
     "model.final_log_std": (None, _lost("model.final_log_std", "the linear log-std schedule; the std is always learned")),
+    "model.augment": ("none", _lost("model.augment", "the update's image augmentation", SHIFTS_LOST, "docs/recipe.md")),
+    "model.shift_pad": (4, _lost("model.shift_pad", "the largest random shift", SHIFTS_LOST, "docs/recipe.md")),
+    "ppo.augment_loss": (False, _lost("ppo.augment_loss", "every loss on shifted frames", SHIFTS_LOST, "docs/recipe.md")),
 }
 """Keys that no longer exist: (their old default, the message). A saved config holds every key,
 so a removed key at its old default is dropped quietly; any other value is refused."""
-
-REMOVED_VALUES = {
-    ("model.augment", "rotate"): "model.augment=rotate (random turns about the image centre) was removed on "
-                                 f"2026-12-03 ({UNADOPTED}: docs/learning.md); set model.augment=shift "
-                                 "(random shifts) or none",
-}
-"""Values that a key still alive no longer takes: ((key, value), the message); refused wherever they appear."""
-
 
 def _drop_removed(data: dict, overrides: list[str] | tuple[str, ...], source: str) -> dict:
     data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
@@ -417,12 +406,6 @@ def _drop_removed(data: dict, overrides: list[str] | tuple[str, ...], source: st
             if data[section].pop(name) != default:
                 raise ConfigError(f"{message} (in {source})")
         if any(item.split("=", 1)[0].strip() == key for item in overrides):
-            raise ConfigError(message)
-    for (key, value), message in REMOVED_VALUES.items():
-        section, name = key.split(".")
-        if isinstance(data.get(section), dict) and data[section].get(name) == value:
-            raise ConfigError(f"{message} (in {source})")
-        if any([part.strip() for part in item.split("=", 1)] == [key, value] for item in overrides):
             raise ConfigError(message)
     return data
 
@@ -631,7 +614,6 @@ def _validate_choices(cfg: Config) -> None:
     choice("memory.buffer_device", cfg.memory.buffer_device, ("cpu", "device"))
     choice("model.encoder", cfg.model.encoder, ENCODERS)
     _validate_finetuning(cfg)
-    _validate_augmentation(cfg)
     for key in ("train.device", "rollout.device"):
         value = getattr(cfg, key.split(".")[0]).device
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
@@ -679,20 +661,6 @@ def _validate_finetuning(cfg: Config) -> None:
     if torchvision and side < 32:
         raise ConfigError(f"model.encoder={m.encoder} needs frames of at least 32x32, got {side}: "
                           "raise env.image_size or set model.resize")
-
-
-def _validate_augmentation(cfg: Config) -> None:
-    """Augmentation keys: the augmentation and its use need each other."""
-    m = cfg.model
-    if m.augment not in AUGMENTATIONS:
-        raise ConfigError(f"model.augment must be one of {' | '.join(AUGMENTATIONS)}, got '{m.augment}'")
-    if m.shift_pad <= 0:
-        raise ConfigError(f"model.shift_pad must be positive, got {m.shift_pad}")
-    if m.augment != "none" and not cfg.ppo.augment_loss:
-        raise ConfigError(f"model.augment={m.augment} needs its use: ppo.augment_loss=true (every loss on the "
-                          "shifted frames), or model.augment=none")
-    if cfg.ppo.augment_loss and m.augment == "none":
-        raise ConfigError("ppo.augment_loss needs an augmentation: set model.augment=shift")
 
 
 # --------------------------------------------------------------------------- documentation

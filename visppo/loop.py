@@ -32,7 +32,6 @@ from visppo.atomic import atomic_write_text
 from visppo.buffer import ReturnScale, RolloutBuffer, compute_gae, explained_variance, obs_of
 from visppo.builders import (
     anneal_lr,
-    build_augmentation,
     build_optimizer,
     build_policy,
     check_memory,
@@ -300,12 +299,11 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
     generator = torch.Generator().manual_seed(seed)  # minibatch order, apart from acting
     if ctx.enabled:
         distributed.broadcast_parameters(policy)
-    augment = build_augmentation(cfg, ctx.rank)  # each rank its own draws
     reward_scale = ReturnScale(cfg.ppo.num_envs, cfg.ppo.gamma) if cfg.ppo.norm_reward else None
     first_iteration, global_step = 1, 0
     if resume is not None:
         first_iteration, global_step = ckpt_io.restore(resume, policy, optimizer, precision.update.scaler,
-                                                       generator, envs, reward_scale, augment)
+                                                       generator, envs, reward_scale)
     freeze = (FreezeSchedule(policy.encoders(), cfg.model.freeze_encoder_updates, optimizer)
               if cfg.model.freeze_encoder_updates else None)  # before_step: trunks frozen for K steps
     on_device = cfg.memory.buffer_device == "device"
@@ -319,8 +317,7 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
     if resume is not None:
         ckpt_io.set_rng_state(resume["rng"])  # last: building the model drew from the RNGs
     setup = UpdateSetup(cfg.ppo, memory_sizes(cfg, device, resume, verbose=ctx.is_main), device,
-                        precision.update, generator, before_step=freeze, across_ranks=ctx.enabled,
-                        augment=augment)
+                        precision.update, generator, before_step=freeze, across_ranks=ctx.enabled)
     acting = ActingCopy(policy, rollout_device) if rollout_device != device else None
     return Run(cfg, ctx, run_dir, device, rollout_device, precision, envs, policy, optimizer, setup,
                buffer, state, acting, first_iteration, global_step, reward_scale=reward_scale)
@@ -508,7 +505,7 @@ def maybe_checkpoint(run: Run, iteration: int) -> None:
 
 def save_checkpoint(run: Run, iteration: int) -> None:
     """Every rank's streams, saved by rank 0."""
-    mine = ckpt_io.rank_state(run.setup.generator, run.envs, run.setup.augment, run.reward_scale)
+    mine = ckpt_io.rank_state(run.setup.generator, run.envs, run.reward_scale)
     ranks = distributed.all_gather(mine) if run.ctx.enabled else [mine]
     if run.ctx.is_main:
         sizes = {"micro": run.setup.sizes.micro, "chunk": run.setup.sizes.chunk}

@@ -4,8 +4,7 @@ Three entry points and nothing else: ``act`` (sample at collection time),
 ``score_actions`` (log-prob, entropy and value of stored actions, for the loss) and
 ``value`` (for bootstrapping). Distributions are built in float32 even under
 autocast: log-probs feed a ratio ``exp(new - old)`` that low precision would
-distort. The policy owns its Gaussian's log-std, a learned parameter; the update's
-augmentation is not the policy's (``builders.build_augmentation``).
+distort. The policy owns its Gaussian's log-std, a learned parameter.
 
 Box actions take a Gaussian, unbounded: the env clips its samples, the buffer keeps them unclipped.
 """

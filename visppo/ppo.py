@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from visppo import distributed
-from visppo.augment import Augmentation
 from visppo.buffer import (
     RolloutBuffer,
     compute_gae,
@@ -216,9 +215,6 @@ class UpdateSetup:
     generator: torch.Generator = field(default_factory=torch.Generator)
     before_step: Callable[[torch.optim.Optimizer], None] | None = None
     across_ranks: bool = False
-    augment: Augmentation | None = None
-    """``model.augment``'s module (``builders.build_augmentation``), drawn from when
-    ``ppo.augment_loss`` asks for augmented frames."""
 
 
 @dataclass
@@ -256,23 +252,14 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     ``advantages`` are the minibatch's (already normalised over the whole
     minibatch). Returns the minibatch's mean loss terms, approx-KL and clip fraction
     (0-d tensors: no host sync per minibatch unless asked).
-
-    With ``ppo.augment_loss`` every loss reads the augmented frames (RAD). The minibatch's
-    augmentation draws are made before the split, so micro-batching does not change them, and
-    committed at the end, so a retry after an OOM draws the same ones.
     """
     cfg, precision, n = setup.ppo, setup.precision, len(mb)
     value_scale = policy.value_scale()
-    augment = setup.augment if cfg.augment_loss else None
-    if augment is not None:
-        draws, rng_after = augment.draw_ahead(n)
     sums: dict[str, torch.Tensor] = {}
     offset = 0
     for micro in micro_batches(mb, setup.sizes.micro):
         batch = buffer.gather(micro, setup.device)
         obs, actions, stop = obs_of(batch), batch["actions"], offset + len(micro)
-        if augment is not None:
-            obs = augment.augment_obs(obs, draws[offset:stop])
         with precision.autocast():
             new_logp, entropy, new_values = policy.score_actions(obs, actions)
         loss, stats = ppo_loss(new_logp, batch["logp"], advantages[offset:stop].to(setup.device),
@@ -283,8 +270,6 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
         for k, v in stats.items():
             sums[k] = sums.get(k, 0.0) + v.sum().float()
         offset = stop
-    if augment is not None:
-        augment.generator.set_state(rng_after)
     return {k: v / n for k, v in sums.items()}
 
 

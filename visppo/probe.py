@@ -56,7 +56,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from visppo.buffer import RolloutBuffer
-from visppo.builders import build_augmentation, build_policy
+from visppo.builders import build_policy
 from visppo.config import Config, parse_bytes
 from visppo.envs import make_env
 from visppo.errors import ConfigError
@@ -84,8 +84,7 @@ from visppo.precision import Precision, autocast_dtype
 def _backward_pass(policy: ActorCritic, buf: RolloutBuffer, index: torch.Tensor, adv: torch.Tensor,
                    cfg: Config, device: torch.device, precision: Precision) -> None:
     """One micro-batch of the real update: forward, PPO loss, backward into ``.grad``."""
-    setup = UpdateSetup(cfg.ppo, MemorySizes(len(index), len(index)), device, precision,
-                        augment=build_augmentation(cfg))
+    setup = UpdateSetup(cfg.ppo, MemorySizes(len(index), len(index)), device, precision)
     minibatch_gradient(policy, buf, index, adv, setup)
 
 

@@ -29,18 +29,6 @@ def env_seed(run_seed: int, rank: int, env_index: int) -> int:
     return _draw(run_seed, rank, env_index)
 
 
-AUGMENT = 0x61756720
-"""A tag that keeps the augmentation's seeds apart from the env seeds of the same run and rank."""
-
-
-def augment_seed(run_seed: int, rank: int) -> int:
-    """The seed of the update's augmentation draws on process ``rank`` of a run seeded
-    ``run_seed``: each rank its own shifts, none equal to a minibatch-order or env seed."""
-    if min(run_seed, rank) < 0:
-        raise ValueError(f"seeds are non-negative, got run {run_seed}, rank {rank}")
-    return _draw(AUGMENT, run_seed, rank)
-
-
 def episode_seed(base: int, episode: int, stream: int) -> int:
     """The reset seed of episode ``episode`` of an env whose base seed is ``base``, in ``stream``."""
     if stream not in (TRAIN, EVAL):

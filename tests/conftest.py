@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,9 @@ import yaml
 import visppo_envs  # noqa: F401  selects EGL before a test module's own `import mujoco` (one file run alone)
 from visppo.config import load_config
 
-torch.set_num_threads(2)
+# two test processes (pytest -n 2 in pyproject.toml) of one thread each fill a 2-core machine;
+# alone (-n 0, or -p no:xdist) a process takes both cores.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from visppo.config import (
@@ -26,6 +28,17 @@ def test_defaults_validate_and_public_keys_exist():
 def test_every_key_has_a_one_line_doc():
     for key, (_, _, doc) in field_docs().items():
         assert doc and "\n" not in doc, f"{key} has no one-line docstring"
+
+
+# A measured result in a key's docstring ("1.5x faster", "312 +- 40", "measured ..."): the
+# evidence belongs in docs/, and a docstring says what the key does.
+_FIGURE = re.compile(r"\d(\.\d+)?x (faster|slower|as)|\+- ?\d|\u00b1|\bmeasured\b|\bscored?\b|\bREADME\b")
+
+
+def test_key_docstrings_say_what_the_key_does_not_what_a_run_measured():
+    for key, (_, _, doc) in field_docs().items():
+        assert not _FIGURE.search(doc), f"{key}'s docstring carries a result: {doc!r}"
+        assert len(doc) <= 400, f"{key}'s docstring is {len(doc)} characters: move the detail to docs/"
 
 
 def test_yaml_then_overrides(tmp_path):

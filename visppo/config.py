@@ -50,7 +50,7 @@ class EnvConfig:
     camera: str = ""
     """Camera name for gymnasium MuJoCo ids (empty: the env's default camera; a name the model lacks is refused); name or index for dmc ids (empty: 0, quadruped 2); visppo's tasks have one fixed camera, 'policy'."""
     render_samples: int = -1
-    """Anti-aliasing samples of a MuJoCo env's offscreen renderer; -1 keeps the env's own (Reacher-v5: 4). 0 renders Reacher-v5 about 2.5x faster on a software GL (llvmpipe) with nearly the same 84x84 frames."""
+    """Anti-aliasing samples of a MuJoCo env's offscreen renderer; -1 keeps the env's own (Reacher-v5: 4). 0 turns it off: faster on a software GL (llvmpipe), nearly the same 84x84 frames (docs/performance.md)."""
     max_episode_steps: int = 0
     """Time limit in env steps before action repeat (frames); 0 keeps the env's registered limit (dmc ids: 1000)."""
     vector: str = "auto"

@@ -74,7 +74,7 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
     policy.eval()
     threads = torch.get_num_threads()
     # One observation per forward pass: intra-op threads barely help a batch of 1 and,
-    # on a busy machine, waiting for them made each step ~40x slower here (29 ms vs 0.7 ms).
+    # on a busy machine, waiting for them makes each step many times slower.
     torch.set_num_threads(cfg.train.threads or 1)
     try:
         render_view = getattr(env.unwrapped, "render_view", None)

@@ -3,8 +3,10 @@
 Every caller (training, acting, evaluation, the probe, the benchmarks) asks
 :func:`resolve_precision` or :func:`for_run`; none decides on its own.
 
-- ``train.amp: auto`` is bf16 where the hardware does it fast (CUDA with bf16
-  support; CPUs with AVX512-BF16 or AMX), fp16 on older GPUs, else fp32.
+- ``train.amp: auto`` is bf16 on CUDA with bf16 support, fp16 on older GPUs (where it
+  serves memory: big image models fit), and fp32 on a CPU: the recipes were chosen in fp32,
+  and bf16's speed on a CPU does not pay for a recipe nobody tested
+  (docs/recipe.md#does-bf16-autocast-learn-as-fp32-does). ``bf16`` asks for it anywhere.
 - ``fp16`` needs CUDA and comes with a ``GradScaler``.
 - ``train.channels_last`` runs convolutions in NHWC (much faster on CPUs); the
   rollout buffer then stores frames in that layout too.
@@ -58,23 +60,13 @@ class RunPrecision:
         return self.acting.dtype != self.update.dtype
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 matmul units (AVX512-BF16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
     """``train.amp`` on ``device`` -> the autocast dtype (None: fp32); ConfigError if impossible."""
     if amp == "auto":
         if device.type == "cuda":  # the probe asks without a GPU: assume one of the last years (Ampere+)
             amp = "bf16" if not torch.cuda.is_available() or torch.cuda.is_bf16_supported() else "fp16"
         else:
-            amp = "bf16" if cpu_has_fast_bf16() else "off"
+            amp = "off"
     if amp == "fp16" and device.type != "cuda":
         raise ConfigError("train.amp=fp16 needs a CUDA device: use bf16 or off on the CPU")
     return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]

@@ -39,12 +39,16 @@ def make_env(render_samples: int = -1):
     return gym.wrappers.AddRenderObservation(env, render_only=True)
 
 
-def run(iterations: int, threads: int, render_samples: int) -> tuple[float, float, float]:
-    """One run: (end-to-end steps/s, collect seconds, update seconds), medians over iterations."""
+def run(iterations: int, threads: int, render_samples: int, *, num_envs: int = 2, n_steps: int = 256,
+        batch_size: int = 64, n_epochs: int = 4, frame_stack: int = 1, device: str = "cpu",
+        seed: int = 0) -> tuple[float, float, float]:
+    """One run of ``iterations`` timed iterations after a warm-up one: (end-to-end steps/s, collect
+    seconds, update seconds), medians over the timed iterations. The defaults are this script's
+    sizes; tools/speed_vs_sb3.py passes its own (more envs, 3 stacked frames, a GPU)."""
     import torch
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
-    from stable_baselines3.common.vec_env import SubprocVecEnv
+    from stable_baselines3.common.vec_env import SubprocVecEnv, VecFrameStack
 
     if threads:
         torch.set_num_threads(threads)
@@ -61,21 +65,28 @@ def run(iterations: int, threads: int, render_samples: int) -> tuple[float, floa
         def _on_rollout_end(self) -> None:
             self.ends.append(time.perf_counter())
 
+        def _on_training_end(self) -> None:  # closes the last iteration's span (its update)
+            self.starts.append(time.perf_counter())
+
         def _on_step(self) -> bool:
             return True
 
     make = functools.partial(make_env, render_samples)
-    envs = SubprocVecEnv([make, make], start_method="forkserver")
+    envs = SubprocVecEnv([make] * num_envs, start_method="forkserver")
+    if frame_stack > 1:
+        envs = VecFrameStack(envs, n_stack=frame_stack)  # on the channel axis, as visppo's env.frame_stack
+    rollout = num_envs * n_steps
     try:
-        model = PPO("CnnPolicy", envs, n_steps=256, batch_size=64, n_epochs=4, seed=0, device="cpu", verbose=0)
+        model = PPO("CnnPolicy", envs, n_steps=n_steps, batch_size=batch_size, n_epochs=n_epochs, seed=seed,
+                    device=device, verbose=0)
         clock = IterationClock()
-        model.learn(total_timesteps=(iterations + 1) * 512, callback=clock)
+        model.learn(total_timesteps=(iterations + 1) * rollout, callback=clock)
     finally:
         envs.close()
     durations = [b - a for a, b in zip(clock.starts, clock.starts[1:])][1:]  # drop the warm-up
     collects = [b - a for a, b in zip(clock.starts, clock.ends)][1:len(durations) + 1]
     collect = statistics.median(collects)
-    return statistics.median(512 / d for d in durations), collect, statistics.median(durations) - collect
+    return statistics.median(rollout / d for d in durations), collect, statistics.median(durations) - collect
 
 
 class Parser(argparse.ArgumentParser):

@@ -201,6 +201,20 @@ def test_iqm_is_the_interquartile_mean_over_tasks_and_seeds_with_a_bootstrap_int
     assert line.endswith("left out (no common scale): reach"), line
 
 
+def test_goal_line_counts_tasks_above_the_ppo_row_and_sets_the_mean_beside_the_published_means(tmp_path, capsys):
+    """Task means 505, 45, 45, 45 against PPO 596, 47, 241, 10 (MR.Q, Table 6): above on reacher-hard
+    only; mean 160 against PPO's 223.5 and DrQ-v2's 798.75, half way 511.1. Reach has no published row."""
+    out = tmp_path / "table"
+    dmc_runs(out)
+    fake_run(out / "reach" / "seed1", "visppo/Reach-v0", 4000, [(4096, 5.0, 1.0)], final=900.0)
+    code, text, err = table(capsys, out, "--at", "500k", "--reps", "200")
+    assert code == 0, err
+    [line] = [line for line in text.splitlines() if line.startswith("Against the published rows")]
+    assert line == ("Against the published rows, 4 task(s): above SB3 PPO CnnPolicy on 1 of 4 (not on "
+                    "dmc_cartpole_swingup, dmc_finger_spin, dmc_walker_walk); mean of the task means 160.0 "
+                    "against SB3 PPO CnnPolicy 223.5, DrQ-v2 798.8 (half way from the first to the last: 511.1)")
+
+
 def test_iqm_of_twelve_scores_drops_three_at_each_end_and_uses_the_common_seeds(tmp_path):
     """4 tasks x 3 seeds: the 25% trimmed mean drops 3 scores at each end. A fourth seed that only
     one task has is not in the IQM (the matrix is runs x tasks, the same seeds in every task)."""

@@ -407,7 +407,35 @@ def final_markdown(final: list[dict], summaries: list[dict], per_seed: bool = Fa
                      f"{published_text(r['published'])} |")
     for s in summaries:
         lines += ["", iqm_line(s)]
+    for line in goal_lines(final):
+        lines += ["", line]
     return "\n".join(lines)
+
+
+def goal_lines(final: list[dict]) -> list[str]:
+    """Per variant, against the published rows at the runs' budget (issue 56's goal): on how many
+    tasks the mean final return is above the first published method (the PPO row), and the mean of
+    the task means beside the published methods' means over the same tasks and the half-way mark."""
+    lines = []
+    for variant in dict.fromkeys(r["variant"] for r in final):
+        rows = [r for r in final if r["variant"] == variant and r["published"]]
+        if not rows:
+            continue
+        methods = [m for m, _, _ in rows[0]["published"]]
+        if any([m for m, _, _ in r["published"]] != methods for r in rows):
+            continue  # rows at different budgets: no single comparison
+        published = {m: statistics.fmean(r["published"][i][1] for r in rows) for i, m in enumerate(methods)}
+        below = [r["task"] for r in rows if r["return"][0] <= r["published"][0][1]]
+        ours = statistics.fmean(r["return"][0] for r in rows)
+        name = f" ({variant})" if variant else ""
+        text = (f"Against the published rows{name}, {len(rows)} task(s): above {methods[0]} on "
+                f"{len(rows) - len(below)} of {len(rows)}" + (f" (not on {', '.join(below)})" if below else "")
+                + f"; mean of the task means {ours:.1f} against "
+                + ", ".join(f"{m} {v:.1f}" for m, v in published.items()))
+        if len(methods) > 1:
+            text += f" (half way from the first to the last: {(published[methods[0]] + published[methods[-1]]) / 2:.1f})"
+        lines.append(text)
+    return lines
 
 
 def iqm_line(s: dict) -> str:

@@ -332,6 +332,12 @@ def test_run_refuses_bad_input_with_one_error_line_and_starts_nothing(tmp_path, 
 # --------------------------------------------------------------------------- run: tiny real runs
 
 
+def test_run_goes_seed_by_seed_so_a_stopped_table_covers_every_config(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    order = [(d.parent.name, d.name) for d, _ in lt.jobs([a, b], [1, 2], tmp_path / "out", [], 10)]
+    assert order == [("a", "seed1"), ("b", "seed1"), ("a", "seed2"), ("b", "seed2")]
+
+
 def test_run_skips_finished_runs_resumes_stopped_ones_and_evaluates_finished_ones(tmp_path):
     out, config = tmp_path / "t", Path("configs/dot_reach.yaml")
     done = lt.run_dir_of(out, config, 1)

@@ -138,10 +138,11 @@ def finished(run_dir: Path) -> bool:
 def jobs(configs: list[Path], seeds: list[int], out: Path, overrides: list[str],
          episodes: int) -> list[tuple[Path, list[list[str]]]]:
     """(run dir, commands in order) of every (config, seed) with something left to do: train and
-    evaluate a run not finished yet, evaluate a finished one without final_eval.json."""
+    evaluate a run not finished yet, evaluate a finished one without final_eval.json. Seed-major:
+    the first seed of every config comes first, so a table stopped part way covers every config."""
     todo = []
-    for config in configs:
-        for seed in seeds:
+    for seed in seeds:
+        for config in configs:
             run_dir = run_dir_of(out, config, seed)
             if not finished(run_dir):
                 todo.append((run_dir, [train_command(config, seed, run_dir, overrides),
@@ -496,8 +497,9 @@ def build_parser() -> Parser:
     parser = Parser(prog="learning_table.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     r = sub.add_parser("run", help="train configs x seeds, then evaluate each final policy",
-                       description="Train every config with every seed, then evaluate each final "
-                                   "policy; key=value overrides apply to all runs.")
+                       description="Train every config with every seed (the first seed of every "
+                                   "config first), then evaluate each final policy; key=value "
+                                   "overrides apply to all runs.")
     r.add_argument("configs", nargs="+", help="config files, then any key=value overrides")
     r.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3],
                    help="train.seed values (default: 1 2 3)")

@@ -414,17 +414,16 @@ def final_markdown(final: list[dict], summaries: list[dict], per_seed: bool = Fa
 
 
 def goal_lines(final: list[dict]) -> list[str]:
-    """Per variant, against the published rows at the runs' budget (issue 56's goal): on how many
-    tasks the mean final return is above the first published method (the PPO row), and the mean of
-    the task means beside the published methods' means over the same tasks and the half-way mark."""
+    """Per variant, against the published rows at the runs' budget: on how many tasks the mean
+    final return is above the first published method (the PPO row), and the mean of the task means
+    beside the published methods' means over the same tasks and the half-way mark."""
     lines = []
     for variant in dict.fromkeys(r["variant"] for r in final):
         rows = [r for r in final if r["variant"] == variant and r["published"]]
-        if not rows:
-            continue
-        methods = [m for m, _, _ in rows[0]["published"]]
-        if any([m for m, _, _ in r["published"]] != methods for r in rows):
-            continue  # rows at different budgets: no single comparison
+        methods = {tuple(m for m, _, _ in r["published"]) for r in rows}
+        if len(methods) != 1:
+            continue  # none published, or rows at different budgets: no single comparison
+        methods = list(methods.pop())
         published = {m: statistics.fmean(r["published"][i][1] for r in rows) for i, m in enumerate(methods)}
         below = [r["task"] for r in rows if r["return"][0] <= r["published"][0][1]]
         ours = statistics.fmean(r["return"][0] for r in rows)

@@ -313,12 +313,14 @@ def test_table_refuses_folders_that_are_not_run_folders(tmp_path, capsys):
     (["configs/dot_reach.yaml", "train.seed=4"], "train.seed=4"),
     (["configs/dot_reach.yaml", "configs/../configs/dot_reach.yaml"], "share a name"),
     (["configs/dot_reach.yaml", "--seeds", "x"], "--seeds"),
+    (["configs/dot_reach.yaml", "--keep", "{out}"], "is --out itself"),
     ([], "the following arguments are required"),
 ])
 def test_run_refuses_bad_input_with_one_error_line_and_starts_nothing(tmp_path, capsys, monkeypatch, args,
                                                                      needle):
     monkeypatch.chdir(ROOT)
     out = tmp_path / "out"
+    args = [a.format(out=out) for a in args]
     try:
         code = lt.main(["run", *args, "--out", str(out)])
     except SystemExit as exc:  # argparse's own errors
@@ -395,3 +397,42 @@ def test_run_trains_then_evaluates_the_final_policy_and_evaluates_a_finished_run
     assert code == 0, err
     [final] = [r for r in rows_of(text, "dot_reach") if r[2] == "default"]
     assert final[3:7] == ["128", "1", "2", f"{first['mean_return']:.2f} ± 0.00"]
+
+
+def test_keep_copies_each_evaluated_run_and_a_later_run_skips_what_was_kept(tmp_path, capsys, monkeypatch):
+    """--keep: the evaluated run's config.yaml, metrics.csv and final_eval.json are copied to
+    KEEP/<config>/seed<S>; with the run folders gone (a new machine), the same command starts
+    nothing for the kept seed and trains only the new one; `table` reads the kept folder."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(lt, "POLL_SECONDS", 0.2)
+    out, keep = tmp_path / "t", tmp_path / "kept"
+    overrides = [o for o in tiny_overrides() if not o.startswith("run.")]
+    run = ["run", "configs/dot_reach.yaml", *overrides, "--out", str(out), "--parallel", "1",
+           "--eval-episodes", "2", "--keep", str(keep)]
+    assert lt.main([*run, "--seeds", "1"]) == 0, (out / "dot_reach" / "seed1.log").read_text()
+    assert "kept: " in capsys.readouterr().out
+    copy = keep / "dot_reach" / "seed1"
+    assert sorted(p.name for p in copy.iterdir()) == ["config.yaml", "final_eval.json", "metrics.csv"]
+    for name in lt.KEPT:
+        assert (copy / name).read_bytes() == (out / "dot_reach" / "seed1" / name).read_bytes()
+
+    import shutil
+    shutil.rmtree(out)
+    assert lt.main([*run, "--seeds", "1", "2"]) == 0
+    started = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("start:")]
+    assert [(s[4], s[-1] if s[4] == "eval" else next(a for a in s if a.startswith("train.seed="))) for s in started] \
+        == [("train", "train.seed=2"), ("eval", str(out / "dot_reach" / "seed2" / "final_eval.json"))]
+    assert not (out / "dot_reach" / "seed1").exists()  # kept: not trained again
+    assert (keep / "dot_reach" / "seed2" / "final_eval.json").is_file()
+    code, text, err = table(capsys, keep, "--at", "128", "--reps", "100")
+    assert code == 0, err
+    [final] = [r for r in rows_of(text, "dot_reach") if r[2] == "default"]
+    assert final[4] == "2"  # both seeds, read from the kept copies
+
+
+def test_keep_copies_a_run_evaluated_before_keep_was_given(tmp_path):
+    out, keep, config = tmp_path / "t", tmp_path / "kept", Path("configs/dot_reach.yaml")
+    fake_run(lt.run_dir_of(out, config, 1), "visppo/DotReach-v0", 2000, [(2000, 1.0, 1.0)], final=1.0)
+    assert lt.run_all([config], [1], out, 1, [], keep=keep) == 0
+    assert lt.kept(keep, config, 1)
+    assert lt.jobs([config], [1], out, [], 10, keep) == []

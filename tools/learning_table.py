@@ -14,7 +14,10 @@ resumed. When a run finishes, its final policy is evaluated::
     visppo eval RUN --episodes N --deterministic --seed 0 --json RUN/final_eval.json
 
 (``N``: ``--eval-episodes``); a finished run without ``final_eval.json`` is evaluated by the
-next ``run``.
+next ``run``. ``--keep DIR`` copies each evaluated run's small files (config.yaml,
+metrics.csv, final_eval.json: what ``table`` reads) into ``DIR/<config>/seed<S>``, a folder
+small enough to commit, and skips every (config, seed) whose copy is there already: a table
+that takes longer than the machine keeps its run folders goes on from what was kept.
 
 ``table`` reads every ``OUT/<config>/seed*`` run and prints two tables and a summary line:
 
@@ -52,6 +55,8 @@ import argparse
 import csv
 import json
 import math
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -73,6 +78,8 @@ PUBLISHED = {
 """Published figures (MR.Q paper, Fujimoto et al. 2025, Table 6, the suite's own look; 10 seeds)."""
 
 FINAL_EVAL = "final_eval.json"
+KEPT = ("config.yaml", "metrics.csv", FINAL_EVAL)
+"""What ``--keep`` copies of a run, ``final_eval.json`` last: its presence marks a whole copy."""
 EVAL_SEED = 0
 POLL_SECONDS = 1.0
 
@@ -135,15 +142,33 @@ def finished(run_dir: Path) -> bool:
     return bool(rows) and int(rows[-1]["global_step"]) >= total
 
 
+def keep_run(run_dir: Path, dest: Path) -> None:
+    """Copy the run's KEPT files into ``dest``, each through a temporary name, final_eval.json
+    last, so an interrupted copy never looks whole."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in KEPT:
+        tmp = dest / f".{name}.tmp"
+        shutil.copyfile(run_dir / name, tmp)
+        os.replace(tmp, dest / name)
+
+
+def kept(keep: Path | None, config: Path, seed: int) -> bool:
+    """The (config, seed) has a whole copy under ``keep``."""
+    return keep is not None and (run_dir_of(keep, config, seed) / FINAL_EVAL).is_file()
+
+
 def jobs(configs: list[Path], seeds: list[int], out: Path, overrides: list[str],
-         episodes: int) -> list[tuple[Path, list[list[str]]]]:
+         episodes: int, keep: Path | None = None) -> list[tuple[Path, list[list[str]]]]:
     """(run dir, commands in order) of every (config, seed) with something left to do: train and
-    evaluate a run not finished yet, evaluate a finished one without final_eval.json. Seed-major:
-    the first seed of every config comes first, so a table stopped part way covers every config."""
+    evaluate a run not finished yet, evaluate a finished one without final_eval.json; nothing for
+    one kept under ``keep``. Seed-major: the first seed of every config comes first, so a table
+    stopped part way covers every config."""
     todo = []
     for seed in seeds:
         for config in configs:
             run_dir = run_dir_of(out, config, seed)
+            if kept(keep, config, seed):
+                continue
             if not finished(run_dir):
                 todo.append((run_dir, [train_command(config, seed, run_dir, overrides),
                                        eval_command(run_dir, episodes)]))
@@ -153,10 +178,17 @@ def jobs(configs: list[Path], seeds: list[int], out: Path, overrides: list[str],
 
 
 def run_all(configs: list[Path], seeds: list[int], out: Path, parallel: int, overrides: list[str],
-            episodes: int = 10) -> int:
+            episodes: int = 10, keep: Path | None = None) -> int:
     """Train and evaluate every (config, seed) with something left to do, ``parallel`` at a
-    time (a run's evaluation follows its training in the same slot); returns the failures."""
-    todo = jobs(configs, seeds, out, overrides, episodes)
+    time (a run's evaluation follows its training in the same slot), copying each evaluated run
+    under ``keep`` when given; returns the failures."""
+    if keep is not None:  # evaluated by an earlier `run` that was not given --keep
+        for seed in seeds:
+            for config in configs:
+                run_dir = run_dir_of(out, config, seed)
+                if not kept(keep, config, seed) and finished(run_dir) and (run_dir / FINAL_EVAL).is_file():
+                    keep_run(run_dir, run_dir_of(keep, config, seed))
+    todo = jobs(configs, seeds, out, overrides, episodes, keep)
     running: list[tuple[subprocess.Popen, Path, list[list[str]]]] = []
     failures = 0
 
@@ -182,6 +214,9 @@ def run_all(configs: list[Path], seeds: list[int], out: Path, parallel: int, ove
                 failures += 1  # a failed or stopped run is not evaluated
             elif rest:
                 start(run_dir, rest)
+            elif keep is not None:
+                keep_run(run_dir, keep / run_dir.parent.name / run_dir.name)
+                print(f"kept: {keep / run_dir.parent.name / run_dir.name}", flush=True)
     return failures
 
 
@@ -507,6 +542,9 @@ def build_parser() -> Parser:
                    help="runs at once, each with train.threads=1 (default 2: one per core here)")
     r.add_argument("--eval-episodes", type=int, default=10,
                    help=f"episodes of the final policy's evaluation, RUN/{FINAL_EVAL} (default 10)")
+    r.add_argument("--keep", type=Path,
+                   help="copy each evaluated run's config.yaml, metrics.csv and final_eval.json to "
+                        "KEEP/<config>/seed<S>, and skip the (config, seed) pairs kept there already")
     t = sub.add_parser("table", help="tabulate run folders")
     t.add_argument("out", type=Path, nargs="+",
                    help="run folders; several: one per variant of an ablation")
@@ -548,8 +586,10 @@ def cmd_run(ns: argparse.Namespace, rest: list[str]) -> int:
             load_config(config, overrides)
         except UserError as exc:
             raise UsageError(str(exc)) from None
+    if ns.keep is not None and ns.keep.resolve() == ns.out.resolve():
+        raise UsageError(f"--keep {ns.keep} is --out itself: give a folder of its own (e.g. under docs/)")
     seeds = list(dict.fromkeys(ns.seeds))
-    return 1 if run_all(configs, seeds, ns.out, ns.parallel, overrides, ns.eval_episodes) else 0
+    return 1 if run_all(configs, seeds, ns.out, ns.parallel, overrides, ns.eval_episodes, ns.keep) else 0
 
 
 def have_rliable() -> bool:

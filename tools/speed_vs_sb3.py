@@ -116,8 +116,6 @@ def parse(argv: list[str] | None):
                            f"({', '.join(MATCHED)}); set those with this script's own options")
     if ns.json is not None and not ns.json.parent.is_dir():
         raise BadInput(f"--json {ns.json}: folder {ns.json.parent} does not exist")
-    if importlib.util.find_spec("stable_baselines3") is None:
-        raise BadInput("speed_vs_sb3.py needs Stable-Baselines3: pip install stable-baselines3")
     device = ns.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,6 +135,9 @@ def parse(argv: list[str] | None):
     if cfg.env.id != "Reacher-v5" or not cfg.env.pixels:
         raise BadInput(f"--config {ns.config} trains {cfg.env.id} (pixels={cfg.env.pixels}): the comparison is "
                        "pixel Reacher-v5 (env.id=Reacher-v5, env.pixels=true), as SB3's side builds it")
+    # last, so that every other mistake is reported the same with or without SB3 installed
+    if importlib.util.find_spec("stable_baselines3") is None:
+        raise BadInput("speed_vs_sb3.py needs Stable-Baselines3: pip install stable-baselines3")
     return ns, cfg, device
 
 

@@ -100,3 +100,20 @@ def test_a_base_file_is_merged_under_the_config_and_its_errors_are_named(tmp_pat
     for name, words in [("loop.yaml", "loop"), ("missing.yaml", "is not a file")]:
         with pytest.raises(ConfigError, match=words):
             load_config(tmp_path / name)
+
+
+def test_the_dmc_recipe_is_a_starting_point_for_any_env():
+    """configs/dmc.yaml passes no suite-only constructor argument: with another env.id it builds
+    and steps that env (the README's advice for a task of your own)."""
+    from visppo.envs import make_vector_env
+
+    cfg = load_config(CONFIGS[0].parent / "dmc.yaml", ["env.id=visppo/DotReach-v0", "env.vector=sync",
+                                                      "ppo.num_envs=1", "ppo.minibatch_size=64"])
+    assert dict(cfg.env.kwargs) == {}
+    envs = make_vector_env(cfg)
+    try:
+        obs, _ = envs.reset(seed=0)
+        assert obs["pixels"].shape == (1, 9, 84, 84)  # 3 stacked RGB frames at the recipe's size
+        envs.step(envs.action_space.sample())
+    finally:
+        envs.close()

@@ -226,7 +226,7 @@ def test_iqm_of_twelve_scores_drops_three_at_each_end_and_uses_the_common_seeds(
     [summary] = lt.iqm_summary(lt.final_results([out]), reps=500)
     assert summary["seeds"] == ["seed1", "seed2", "seed3"]
     assert summary["iqm"] == pytest.approx(np.mean([3, 4, 5, 6, 7, 8]))  # 0 1 2 and 9 10 11 dropped
-    assert lt.final_results([out])[0]["look"] == "default"
+    assert lt.final_results([out])[0]["look"] == "published"  # a suite task without a look: the suite's own
 
 
 def test_each_variant_gets_its_own_iqm(tmp_path, capsys):

@@ -28,7 +28,8 @@ that takes longer than the machine keeps its run folders goes on from what was k
   mean +- std bands over seeds (``--column``: which metrics.csv column);
 - the final policy, per config (task) and variant: the mean +- std over seeds of
   ``final_eval.json``'s ``mean_return``, the number of seeds, the look
-  (``env.kwargs.look`` in the run's config.yaml; ``default`` without one), the budget
+  (``env.kwargs.look`` in the run's config.yaml; ``published``, the suite's own, for a suite task
+  without one; ``default`` for other envs), the budget
   (``ppo.total_steps``) and the published figures at that budget;
 - per variant, the interquartile mean (IQM) of the final returns across DeepMind Control
   tasks with its 95% stratified bootstrap interval (``rliable``: ``aggregate_iqm``,
@@ -297,12 +298,15 @@ def check_folders(outs: list[Path]) -> None:
 
 
 def run_env(run_dir: Path) -> tuple[str, str | None, int]:
-    """(env.id, env.kwargs.look or None, ppo.total_steps) of a run, from its config.yaml."""
+    """(env.id, look, ppo.total_steps) of a run, from its config.yaml. The look is
+    env.kwargs.look; a suite task without one drew the suite's own look (the wrapper's default),
+    any other env has none (None)."""
     import yaml
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     env = cfg["env"]
-    return env["id"], (env.get("kwargs") or {}).get("look"), int(cfg["ppo"]["total_steps"])
+    look = (env.get("kwargs") or {}).get("look") or ("published" if env["id"].startswith("dmc:") else None)
+    return env["id"], look, int(cfg["ppo"]["total_steps"])
 
 
 def label(config: str, variant: str) -> str:

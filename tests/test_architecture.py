@@ -14,7 +14,7 @@ LAYERS = [
     {"errors", "atomic"},  # leaves: nothing of visppo
     {"config", "memory", "metrics", "buffer", "seeding", "extras", "env_check",
      "env_process"},  # leaves: nothing of visppo but config
-    {"precision", "distributed", "envs", "checkpoint", "video", "value_norm"},
+    {"precision", "distributed", "envs", "checkpoint", "video"},
     {"encoders"},
     {"policy"},
     {"builders", "rollout"},

@@ -125,6 +125,7 @@ RETIRED = {  # issue 55: the keys removed on 2026-12-03, their old defaults and 
     "model.action_dist": ("normal", "beta"), "model.noise_beta": (0.0, 0.5), "model.keypoint_norm": (0, 4096),
     "ppo.drac_coef": (0.0, 0.1), "model.rotate_degrees": (180.0, 90), "model.final_log_std": (None, -1.6),
     "model.augment": ("none", "shift"), "model.shift_pad": (4, 8), "ppo.augment_loss": (False, True),
+    "model.norm_value": (False, True),  # removed on 2026-12-06 (docs/recipe.md)
 }
 
 
@@ -135,7 +136,7 @@ def test_each_retired_key_is_refused_as_removed_and_dropped_at_its_old_default(t
     from visppo.cli import main
 
     old, other = RETIRED[key]
-    removed = rf"{key.replace('.', '[.]')} \(.*\) was removed on 2026-12-03 .*delete the key"
+    removed = rf"{key.replace('.', '[.]')} \(.*\) was removed on 2026-12-0[36] .*delete the key"
     with pytest.raises(ConfigError, match=removed):
         load_config(None, [f"{key}={other}"])
     code, err = main(["config", f"{key}={other}"]), capsys.readouterr().err

@@ -43,8 +43,6 @@ SCENARIOS = {
     # approx-KL of the minibatches: 7.5e-4, 1.8e-3 (1.5e-3 on rank 1 alone, then 0.7e-3, 2.9e-3):
     # the update stops after one step, on both ranks; a per-rank check would stop rank 1 first
     "target_kl": ({"target_kl": 8e-4}, {}, 0),
-    # the returns' statistics over both ranks (std 2.3; rank 0's alone would be floored at 1)
-    "norm_value": ({}, {"norm_value": True}, 0),
 }
 STEPS_PER_UPDATE = 6  # 2 epochs x 3 minibatches
 BACKWARDS_PER_UPDATE = 16  # 2 epochs x (3 + 3 + 2) micro-batches
@@ -247,7 +245,7 @@ def test_two_all_reduces_per_optimizer_step(two_ranks):
 # episodes of 16 steps, rollouts of 32: every iteration starts on fresh episodes (exact resume)
 EXACT = {"env.max_episode_steps": 16, "ppo.total_steps": 384, "run.checkpoint_every": 1,
          "train.deterministic": "true", "ppo.minibatch_size": 24, "memory.micro_batch_size": 10,
-         "run.tensorboard": "true", "ppo.norm_reward": "true", "model.norm_value": "true"}
+         "run.tensorboard": "true", "ppo.norm_reward": "true"}
 
 
 def _torchrun(args: list[str]) -> subprocess.CompletedProcess:

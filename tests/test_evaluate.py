@@ -160,6 +160,7 @@ RETIRED_TENSORS = {  # what checkpoints of the features removed on 2026-12-03 (i
     "reward_head.0.weight": (32, 32), "reward_head.2.bias": (1,),  # model.reward_head
     "encoder.pixels.kp_count": (), "encoder.pixels.kp_mean": (64,), "encoder.pixels.kp_m2": (64,),  # keypoint_norm
     "critic_encoder.state.0.weight": (64, 4), "critic_encoder.state.0.bias": (64,),  # model.privileged_critic
+    "value_norm.count": (), "value_norm.mean": (), "value_norm.var": (),  # model.norm_value (2026-12-06)
 }
 
 
@@ -229,6 +230,33 @@ def test_an_old_checkpoint_that_used_a_retired_key_is_refused_with_its_line(ckpt
     shutil.copytree(run_dir, copy)
     torch.save({**ckpt, "config": config}, copy / "checkpoints" / "latest.pt")
     with pytest.raises(UserError, match=removed):
+        load_for_resume(copy, [])
+
+
+def test_a_checkpoint_trained_with_norm_value_still_acts_but_does_not_resume(ckpt, run_dir, tmp_path, capsys):
+    """model.norm_value (removed on 2026-12-06) changed only how the critic learned: a checkpoint
+    trained with it (its config says true, its state holds the statistics, under their names
+    before and after ValueNorm) evaluates and loads as the same acting policy. Resuming it would
+    train its normalised critic on raw targets: refused with the removed-key line."""
+    import shutil
+
+    from visppo.checkpoint import load_for_resume
+    from visppo.evaluate import load_policy
+
+    config = {k: dict(v) if isinstance(v, dict) else v for k, v in ckpt["config"].items()}
+    config["model"]["norm_value"] = True
+    for names in (("value_norm.count", "value_norm.mean", "value_norm.var"), ("value_count", "value_mean", "value_var")):
+        old = {**ckpt, "config": config, "model": {**ckpt["model"], **{k: torch.ones(()) for k in names}}}
+        path = _save(tmp_path, old, "normed.pt")
+        policy, _, _ = load_policy(path)
+        for key, value in ckpt["model"].items():
+            assert torch.equal(policy.state_dict()[key], value), key
+        assert evaluate(path, episodes=1)["episodes"] == 1
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    torch.save(old, copy / "checkpoints" / "latest.pt")
+    (copy / "config.yaml").write_text((copy / "config.yaml").read_text().replace("model:\n", "model:\n  norm_value: true\n", 1))
+    with pytest.raises(UserError, match=r"model[.]norm_value .* was removed on 2026-12-06"):
         load_for_resume(copy, [])
 
 

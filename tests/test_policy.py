@@ -70,18 +70,3 @@ def test_shared_layers_feed_both_heads_and_both_losses_train_them():
 def test_unsupported_action_space():
     with pytest.raises(ValueError, match="not supported"):
         ActorCritic(OBS, gym.spaces.MultiBinary(3), ModelConfig())
-
-
-def test_norm_value_maps_the_heads_normalised_output_back_to_return_units():
-    """The value is ``head * std + mean``; the loss's scale is the std, floored at 1."""
-    torch.manual_seed(0)
-    plain = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig())
-    torch.manual_seed(0)
-    normed = ActorCritic(OBS, gym.spaces.Box(-1, 1, (2,), np.float32), ModelConfig(norm_value=True))
-    obs = _obs()
-    torch.testing.assert_close(normed.value(obs), plain.value(obs))  # before any statistics: identity
-    normed.value_norm.mean.fill_(150.0)
-    normed.value_norm.var.fill_(400.0)
-    torch.testing.assert_close(normed.value(obs), plain.value(obs) * 20.0 + 150.0)
-    torch.testing.assert_close(normed.act(obs)[2], normed.value(obs))
-    assert float(normed.value_scale()) == 20.0 and plain.value_scale() == 1.0

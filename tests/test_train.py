@@ -223,6 +223,6 @@ def test_a_flat_critic_is_reported_once_after_20_iterations_in_a_row():
     assert said == []
     for fit in [-0.0002] + [0.0] * 30:
         warn_if_flat_critic(run, fit)
-    assert len(said) == 1 and said[0].startswith("warning: ") and "model.norm_value=true" in said[0]
+    assert len(said) == 1 and said[0].startswith("warning: ") and "ppo.norm_reward=true" in said[0]
 
 

@@ -27,7 +27,6 @@ from visppo import distributed
 from visppo.atomic import atomic_write, file_mode
 from visppo.config import Config, build_config, to_dict
 from visppo.errors import ConfigError, UserError
-from visppo.value_norm import renamed_old_keys
 
 
 class CheckpointError(UserError):
@@ -131,20 +130,23 @@ REMOVED_HEADS = ("decoder.", "invdyn.", "reward_head.")
 """Modules of removed keys (model.recon_size, model.invdyn, model.reward_head) that older checkpoints hold."""
 REMOVED_BUFFERS = ("kp_count", "kp_mean", "kp_m2")
 """Buffers of spatial_softmax's removed model.keypoint_norm."""
+REMOVED_VALUE_NORM = ("value_norm.", "value_count", "value_mean", "value_var")
+"""The critic's target statistics of the removed model.norm_value, under their names before and
+after they moved into a ValueNorm module."""
 
 
 def without_removed_tensors(state: dict[str, Any]) -> dict[str, Any]:
     """A policy state dict without the tensors of removed features: the auxiliary heads, the
-    keypoint statistics, and a critic encoder that reads no pixels (model.privileged_critic's);
-    and with the value statistics under their ValueNorm names (``value_count`` -> ``value_norm.count``, ...).
-    What remains must still fit the model (the caller checks)."""
+    keypoint statistics, the value statistics (model.norm_value's) and a critic encoder that
+    reads no pixels (model.privileged_critic's). What remains must still fit the model (the
+    caller checks)."""
     state_only_critic = not any(k.startswith("critic_encoder.pixels.") for k in state)
 
     def removed(key: str) -> bool:
-        return (key.startswith(REMOVED_HEADS) or key.rsplit(".", 1)[-1] in REMOVED_BUFFERS
+        return (key.startswith(REMOVED_HEADS + REMOVED_VALUE_NORM) or key.rsplit(".", 1)[-1] in REMOVED_BUFFERS
                 or (state_only_critic and key.startswith("critic_encoder.")))
 
-    return renamed_old_keys({k: v for k, v in state.items() if not removed(k)})
+    return {k: v for k, v in state.items() if not removed(k)}
 
 
 def rng_state() -> dict[str, Any]:

@@ -89,8 +89,6 @@ class ModelConfig:
     """Actor and critic share one encoder; false gives the critic its own (about 1.75x the update's time). (evidence: docs/learning.md)"""
     init_log_std: float = -0.5
     """Initial log standard deviation of the Gaussian policy (Box actions); -0.5 is std 0.61. (evidence: docs/learning.md)"""
-    norm_value: bool = False
-    """The critic learns value targets centred and scaled by their running mean and std, its outputs mapped back to return units (GAE unchanged); for tasks whose large, alike returns saturate the critic. (evidence: docs/learning.md)"""
 
 
 @dataclass
@@ -364,12 +362,14 @@ def _count_nodes(data: Any, limit: int) -> int:
     return count
 
 
-def _lost(key: str, what: str, why: str = "it lost", evidence: str = "docs/learning.md") -> str:
-    return f"{key} ({what}) was removed on 2026-12-03 ({why}: {evidence}); delete the key"
+def _lost(key: str, what: str, why: str = "it lost", evidence: str = "docs/learning.md",
+          on: str = "2026-12-03") -> str:
+    return f"{key} ({what}) was removed on {on} ({why}: {evidence}); delete the key"
 
 
 UNADOPTED = "the one learning recipe does not use it"
 SHIFTS_LOST = "random shifts in every loss lost on two of three dev tasks"
+NORM_VALUE_LOST = "raw value targets won the dev set over two seeds"
 
 
 REMOVED = {
@@ -394,16 +394,24 @@ REMOVED = {
     "model.augment": ("none", _lost("model.augment", "the update's image augmentation", SHIFTS_LOST, "docs/recipe.md")),
     "model.shift_pad": (4, _lost("model.shift_pad", "the largest random shift", SHIFTS_LOST, "docs/recipe.md")),
     "ppo.augment_loss": (False, _lost("ppo.augment_loss", "every loss on shifted frames", SHIFTS_LOST, "docs/recipe.md")),
+    "model.norm_value": (False, _lost("model.norm_value", "the critic's standardised value targets",
+                                      NORM_VALUE_LOST, "docs/recipe.md", "2026-12-06")),
 }
 """Keys that no longer exist: (their old default, the message). A saved config holds every key,
 so a removed key at its old default is dropped quietly; any other value is refused."""
 
-def _drop_removed(data: dict, overrides: list[str] | tuple[str, ...], source: str) -> dict:
+ACTING_UNCHANGED = frozenset({"model.norm_value"})
+"""Removed keys that changed only how the critic learned: a checkpoint trained with them acts
+as it did, so loading it to act (evaluation, export, load_policy) drops them whatever their
+value. Training on from such a checkpoint is still refused."""
+
+def _drop_removed(data: dict, overrides: list[str] | tuple[str, ...], source: str,
+                  to_act: bool = False) -> dict:
     data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
     for key, (default, message) in REMOVED.items():
         section, name = key.split(".")
         if isinstance(data.get(section), dict) and name in data[section]:
-            if data[section].pop(name) != default:
+            if data[section].pop(name) != default and not (to_act and key in ACTING_UNCHANGED):
                 raise ConfigError(f"{message} (in {source})")
         if any(item.split("=", 1)[0].strip() == key for item in overrides):
             raise ConfigError(message)
@@ -456,9 +464,11 @@ def _check_sections(data: dict, source: str) -> None:
                               f"not the {type(value).__name__} {str(value)[:40]!r}: indent its keys under it")
 
 
-def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source: str = "the config") -> Config:
-    """Defaults <- ``data`` (nested sections) <- ``key=value`` overrides, validated."""
-    data = _drop_removed(data, overrides, source)
+def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source: str = "the config",
+                 to_act: bool = False) -> Config:
+    """Defaults <- ``data`` (nested sections) <- ``key=value`` overrides, validated. ``to_act``:
+    the config of a checkpoint loaded only to act (see ``ACTING_UNCHANGED``)."""
+    data = _drop_removed(data, overrides, source, to_act)
     _check_sections(data, source)
     data, overrides = _whole_numbers(data, overrides)
     cfg = _schema()
@@ -485,9 +495,10 @@ def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source
     return obj
 
 
-def from_dict(data: dict) -> Config:
-    """Rebuild a Config from a plain dict (e.g. the one stored in a checkpoint)."""
-    return build_config(data, source="the saved config")
+def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = (), to_act: bool = False) -> Config:
+    """Rebuild a Config from a plain dict (e.g. the one stored in a checkpoint), with ``overrides``;
+    ``to_act``: for a checkpoint loaded only to act (``ACTING_UNCHANGED``)."""
+    return build_config(data, overrides, source="the saved config", to_act=to_act)
 
 
 def to_dict(cfg: Config) -> dict:

@@ -30,7 +30,7 @@ from visppo import seeding
 from visppo.atomic import atomic_write_text
 from visppo.builders import build_policy
 from visppo.checkpoint import CheckpointError
-from visppo.config import Config, build_config, from_dict
+from visppo.config import Config, from_dict
 from visppo.env_check import env_errors
 from visppo.envs import check_env_id, make_env
 from visppo.errors import ConfigError, UserError
@@ -186,11 +186,11 @@ def read_trained(path: Path, env_overrides: Sequence[str] = ()) -> tuple[dict[st
     if not isinstance(ckpt.get("config"), dict):
         raise CheckpointError(f"checkpoint {path} has no saved config: it was not written by visppo train")
     try:
-        cfg = from_dict(ckpt["config"])
+        cfg = from_dict(ckpt["config"], to_act=True)
     except ConfigError as exc:
         raise CheckpointError(f"checkpoint {path} holds a config this visppo cannot use ({exc})") from None
     if env_overrides:
-        cfg = build_config(ckpt["config"], env_overrides, source="the saved config")
+        cfg = from_dict(ckpt["config"], env_overrides, to_act=True)
     cfg.train.device = "cpu"
     cfg.rollout.device = "cpu"
     return ckpt, cfg, tensor_state(ckpt["model"], f"checkpoint {path}: 'model'")

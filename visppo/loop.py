@@ -488,13 +488,13 @@ FLAT_CRITIC_ITERATIONS = 20
 
 def warn_if_flat_critic(run: Run, value_fit: float) -> None:
     """Say once when the critic has explained none of the returns (|explained variance| < 1e-3)
-    for 20 iterations in a row: its value is then a constant (a saturated hidden layer, measured on
+    for 20 iterations in a row: its value is then a constant (a saturated hidden layer, seen on
     DMC cartpole-balance), the advantages are the returns' noise, and the policy drifts."""
     run.flat_critic = run.flat_critic + 1 if abs(value_fit) < 1e-3 else 0
     if run.flat_critic == FLAT_CRITIC_ITERATIONS and run.logger is not None:
         run.logger.message(f"warning: the critic has explained none of the returns for {FLAT_CRITIC_ITERATIONS} "
                            "iterations (value/explained_variance ~ 0): its value is a constant; large, alike "
-                           "returns saturate it: try model.norm_value=true")
+                           "returns saturate it: try ppo.norm_reward=true")
 
 
 def maybe_checkpoint(run: Run, iteration: int) -> None:

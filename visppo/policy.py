@@ -20,7 +20,6 @@ from torch.distributions import Categorical, Distribution, Normal
 from visppo.config import ModelConfig
 from visppo.encoders import ObsEncoder, load_encoder_weights
 from visppo.env_check import check_action_space
-from visppo.value_norm import ValueNorm
 
 Obs = dict[str, torch.Tensor]
 
@@ -60,8 +59,6 @@ class ActorCritic(nn.Module):
         feat = self.encoder.out_dim
         self.actor = _mlp(feat, cfg.hidden_dim, act_dim, 0.01)
         self.critic = _mlp(feat, cfg.hidden_dim, 1, 1.0)
-        # model.norm_value: the value targets' running moments, which the update merges each rollout into
-        self.value_norm = ValueNorm() if cfg.norm_value else None
         self.encoder_name = cfg.encoder
 
     def encoders(self) -> list[ObsEncoder]:
@@ -85,16 +82,10 @@ class ActorCritic(nn.Module):
 
     def _value(self, critic_feats: torch.Tensor) -> torch.Tensor:
         """The value in return units. The head's last layer runs in fp32: bf16 would round returns
-        of ~100 to 0.5; with norm_value its output is a normalised value, mapped back here."""
+        of ~100 to 0.5."""
         hidden = self.critic[:-1](critic_feats)
         with torch.autocast(hidden.device.type, enabled=False):
-            out = self.critic[-1](hidden.float()).squeeze(-1)
-            return self.value_norm.denormalize(out) if self.value_norm is not None else out
-
-    def value_scale(self) -> torch.Tensor | float:
-        """What the value loss divides value errors by: with norm_value the targets' running std
-        (:meth:`ValueNorm.scale`), else 1."""
-        return self.value_norm.scale() if self.value_norm is not None else 1.0
+            return self.critic[-1](hidden.float()).squeeze(-1)
 
     def _dist(self, actor_feats: torch.Tensor) -> Distribution:
         """Categorical (discrete) or a Normal per dimension."""

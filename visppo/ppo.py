@@ -157,23 +157,20 @@ def recompute_advantages(policy: ActorCritic, buffer: RolloutBuffer, setup: Upda
 def ppo_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
              new_values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
              entropy: torch.Tensor, clip_coef: float, clip_value: bool, value_coef: float,
-             entropy_coef: float, value_scale: float | torch.Tensor = 1.0
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             entropy_coef: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-sample PPO loss (clipped surrogate + value + entropy), not reduced.
 
     The caller reduces with ``sum() / minibatch_size`` so that micro-batches
     add up to the minibatch mean. Also returns per-sample statistics (detached)
     whose sums over the minibatch give its mean losses, approx-KL and clip fraction.
-    Values and returns are in return units; value errors (and the value clip range) are
-    measured in units of ``value_scale`` (the critic's normalisation std with model.norm_value).
     """
     log_ratio = new_logp - old_logp
     ratio = log_ratio.exp()
     pg = -torch.min(ratio * advantages, ratio.clamp(1 - clip_coef, 1 + clip_coef) * advantages)
-    v_err = ((new_values - returns) / value_scale) ** 2
+    v_err = (new_values - returns) ** 2
     if clip_value:
-        clipped = old_values + (new_values - old_values).clamp(-clip_coef * value_scale, clip_coef * value_scale)
-        v_err = torch.max(v_err, ((clipped - returns) / value_scale) ** 2)
+        clipped = old_values + (new_values - old_values).clamp(-clip_coef, clip_coef)
+        v_err = torch.max(v_err, (clipped - returns) ** 2)
     v_loss = 0.5 * v_err
     loss = pg + value_coef * v_loss - entropy_coef * entropy
     with torch.no_grad():
@@ -254,7 +251,6 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
     (0-d tensors: no host sync per minibatch unless asked).
     """
     cfg, precision, n = setup.ppo, setup.precision, len(mb)
-    value_scale = policy.value_scale()
     sums: dict[str, torch.Tensor] = {}
     offset = 0
     for micro in micro_batches(mb, setup.sizes.micro):
@@ -264,7 +260,7 @@ def minibatch_gradient(policy: ActorCritic, buffer: RolloutBuffer, mb: torch.Ten
             new_logp, entropy, new_values = policy.score_actions(obs, actions)
         loss, stats = ppo_loss(new_logp, batch["logp"], advantages[offset:stop].to(setup.device),
                                new_values, batch["values"], batch["returns"], entropy, cfg.clip_coef,
-                               cfg.clip_value, cfg.value_coef, cfg.entropy_coef, value_scale)
+                               cfg.clip_value, cfg.value_coef, cfg.entropy_coef)
         loss = loss.sum() / n  # the minibatch mean, split over micro-batches
         (precision.scaler.scale(loss) if precision.scaler else loss).backward()
         for k, v in stats.items():
@@ -326,11 +322,8 @@ def update(policy: ActorCritic, optimizer: torch.optim.Optimizer, buffer: Rollou
            setup: UpdateSetup) -> UpdateResult:
     """``ppo.num_epochs`` passes over the buffer in minibatches, each accumulated over micro-batches,
     clipped and stepped once. With ``ppo.target_kl``, a minibatch whose approx-KL exceeds 1.5x the
-    target is not stepped and the update stops (Stable-Baselines3's rule). With model.norm_value,
-    the rollout's returns first join the critic's target statistics."""
+    target is not stepped and the update stops (Stable-Baselines3's rule)."""
     cfg = setup.ppo
-    if policy.value_norm is not None:
-        policy.value_norm.update(buffer.returns, setup.across_ranks)
     params = [p for p in policy.parameters() if p.requires_grad]
     result, totals = UpdateResult(), {}
     for epoch in range(cfg.num_epochs):

@@ -237,7 +237,7 @@ def test_a_checkpoint_trained_with_norm_value_still_acts_but_does_not_resume(ckp
     """model.norm_value (removed on 2026-12-06) changed only how the critic learned: a checkpoint
     trained with it (its config says true, its state holds the statistics, under their names
     before and after ValueNorm) evaluates and loads as the same acting policy. Resuming it would
-    train its normalised critic on raw targets: refused with the removed-key line."""
+    train its normalised critic on raw targets: refused, with what still works."""
     import shutil
 
     from visppo.checkpoint import load_for_resume
@@ -256,7 +256,8 @@ def test_a_checkpoint_trained_with_norm_value_still_acts_but_does_not_resume(ckp
     shutil.copytree(run_dir, copy)
     torch.save(old, copy / "checkpoints" / "latest.pt")
     (copy / "config.yaml").write_text((copy / "config.yaml").read_text().replace("model:\n", "model:\n  norm_value: true\n", 1))
-    with pytest.raises(UserError, match=r"model[.]norm_value .* was removed on 2026-12-06"):
+    with pytest.raises(UserError, match=r"trained with model[.]norm_value=True, which was removed on 2026-12-06 "
+                                        r"\(docs/recipe[.]md\): the run cannot go on; its policy still evaluates"):
         load_for_resume(copy, [])
 
 

@@ -405,6 +405,20 @@ ACTING_UNCHANGED = frozenset({"model.norm_value"})
 as it did, so loading it to act (evaluation, export, load_policy) drops them whatever their
 value. Training on from such a checkpoint is still refused."""
 
+def acting_only(data: dict) -> list[str]:
+    """``key=value`` of each ``ACTING_UNCHANGED`` key that a saved config sets to other than its
+    old default: a checkpoint trained with them can act but not train on."""
+    found = []
+    for key in sorted(ACTING_UNCHANGED):
+        section, name = key.split(".")
+        old_default = REMOVED[key][0]
+        values = data.get(section)
+        value = values.get(name, old_default) if isinstance(values, dict) else old_default
+        if value != old_default:
+            found.append(f"{key}={value}")
+    return found
+
+
 def _drop_removed(data: dict, overrides: list[str] | tuple[str, ...], source: str,
                   to_act: bool = False) -> dict:
     data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}

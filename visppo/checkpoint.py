@@ -25,7 +25,7 @@ import torch
 
 from visppo import distributed
 from visppo.atomic import atomic_write, file_mode
-from visppo.config import Config, acting_only, build_config, to_dict
+from visppo.config import Config, build_config, not_resumable, to_dict
 from visppo.errors import ConfigError, UserError
 
 
@@ -255,11 +255,9 @@ def load_for_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] 
     ckpt = load(latest)
     saved = ckpt["config"]
     saved["run"]["dir"] = str(run_dir)
-    stale = acting_only(saved)
-    if stale:
-        raise ConfigError(f"{latest} was trained with {', '.join(stale)}, "
-                          "which was removed on 2026-12-06 (docs/recipe.md): the run cannot go on; its policy still "
-                          "evaluates and exports (visppo eval, visppo export), and a new run trains without it")
+    why = not_resumable(saved)
+    if why:
+        raise ConfigError(f"{latest} {why}")
     cfg = build_config(saved, overrides, source=str(latest))
     check_same_run(run_dir, latest, cfg)
     if cfg.ppo.total_steps <= ckpt["global_step"]:

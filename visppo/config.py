@@ -370,6 +370,8 @@ def _lost(key: str, what: str, why: str = "it lost", evidence: str = "docs/learn
 UNADOPTED = "the one learning recipe does not use it"
 SHIFTS_LOST = "random shifts in every loss lost on two of three dev tasks"
 NORM_VALUE_LOST = "raw value targets won the dev set over two seeds"
+NORM_VALUE_REMOVED = ("2026-12-06", "docs/recipe.md")
+"""When model.norm_value was removed, and where the evidence is."""
 
 
 REMOVED = {
@@ -395,7 +397,7 @@ REMOVED = {
     "model.shift_pad": (4, _lost("model.shift_pad", "the largest random shift", SHIFTS_LOST, "docs/recipe.md")),
     "ppo.augment_loss": (False, _lost("ppo.augment_loss", "every loss on shifted frames", SHIFTS_LOST, "docs/recipe.md")),
     "model.norm_value": (False, _lost("model.norm_value", "the critic's standardised value targets",
-                                      NORM_VALUE_LOST, "docs/recipe.md", "2026-12-06")),
+                                      NORM_VALUE_LOST, NORM_VALUE_REMOVED[1], NORM_VALUE_REMOVED[0])),
 }
 """Keys that no longer exist: (their old default, the message). A saved config holds every key,
 so a removed key at its old default is dropped quietly; any other value is refused."""
@@ -405,9 +407,9 @@ ACTING_UNCHANGED = frozenset({"model.norm_value"})
 as it did, so loading it to act (evaluation, export, load_policy) drops them whatever their
 value. Training on from such a checkpoint is still refused."""
 
-def acting_only(data: dict) -> list[str]:
-    """``key=value`` of each ``ACTING_UNCHANGED`` key that a saved config sets to other than its
-    old default: a checkpoint trained with them can act but not train on."""
+def not_resumable(data: dict) -> str | None:
+    """Why a checkpoint whose saved config is ``data`` cannot train on though it can act (an
+    ``ACTING_UNCHANGED`` key set to other than its old default), or None."""
     found = []
     for key in sorted(ACTING_UNCHANGED):
         section, name = key.split(".")
@@ -416,7 +418,11 @@ def acting_only(data: dict) -> list[str]:
         value = values.get(name, old_default) if isinstance(values, dict) else old_default
         if value != old_default:
             found.append(f"{key}={value}")
-    return found
+    if not found:
+        return None
+    on, evidence = NORM_VALUE_REMOVED
+    return (f"was trained with {', '.join(found)}, which was removed on {on} ({evidence}): the run cannot go "
+            "on; its policy still evaluates and exports (visppo eval, visppo export), and a new run trains without it")
 
 
 def _drop_removed(data: dict, overrides: list[str] | tuple[str, ...], source: str,

@@ -7,6 +7,7 @@ from visppo.config import (
     field_docs,
     from_dict,
     load_config,
+    not_resumable,
     parse_bytes,
     to_dict,
 )
@@ -149,6 +150,10 @@ def test_each_retired_key_is_refused_as_removed_and_dropped_at_its_old_default(t
     saved = to_dict(Config())
     saved[section][name] = old
     assert from_dict(saved) == Config()
+    assert not_resumable(saved) is None
+    saved[section][name] = other  # a checkpoint trained with it: advice for a run, not for a file
+    why = not_resumable(saved)
+    assert why is not None and f"{key}={other}" in why and "cannot go on" in why and "delete the key" not in why
 
 
 def test_random_shifts_are_refused_as_removed_and_an_old_config_without_them_loads(tmp_path, capsys):

@@ -211,8 +211,9 @@ def test_an_old_checkpoint_with_retired_keys_and_heads_evaluates_resumes_and_giv
 def test_an_old_checkpoint_that_used_a_retired_key_is_refused_with_its_line(ckpt, run_dir, tmp_path, capsys,
                                                                            section, name, value):
     """A checkpoint whose stored config used a key (or value) removed on 2026-12-03 is refused, by
-    eval and resume alike, with the one line that says it was removed; at the old defaults it loads
-    (the test above)."""
+    eval and resume alike, with the one line that says it was removed and what can be done with a
+    checkpoint (not "delete the key": its saved config is not the user's to edit); at the old
+    defaults it loads (the test above)."""
     import shutil
 
     from visppo.checkpoint import load_for_resume
@@ -221,16 +222,18 @@ def test_an_old_checkpoint_that_used_a_retired_key_is_refused_with_its_line(ckpt
     config = {k: dict(v) if isinstance(v, dict) else v for k, v in ckpt["config"].items()}
     config[section][name] = value
     path = _save(tmp_path, {**ckpt, "config": config}, "old.pt")
-    removed = rf"{section}[.]{name}.* was removed on 2026-12-03"
-    with pytest.raises(UserError, match=removed):  # CheckpointError: the stored config cannot be used
-        evaluate(path, episodes=1)
+    removed = rf"trained with {section}[.]{name}={value}: {section}[.]{name} .* was removed on 2026-12-03 .*"
+    with pytest.raises(UserError, match=removed + "act with the visppo version that trained it"):
+        evaluate(path, episodes=1)  # CheckpointError: the stored config cannot be used
     code, err = main(["eval", str(path), "--episodes", "1"]), capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "was removed" in err, err
+    assert "delete the key" not in err
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
     torch.save({**ckpt, "config": config}, copy / "checkpoints" / "latest.pt")
-    with pytest.raises(UserError, match=removed):
+    with pytest.raises(UserError, match=removed + "the run cannot go on, and a new run trains without it") as info:
         load_for_resume(copy, [])
+    assert "delete the key" not in str(info.value)
 
 
 def test_a_checkpoint_trained_with_norm_value_still_acts_but_does_not_resume(ckpt, run_dir, tmp_path, capsys):

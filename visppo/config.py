@@ -362,9 +362,14 @@ def _count_nodes(data: Any, limit: int) -> int:
     return count
 
 
+DELETE = "; delete the key"
+"""The advice that ends each ``REMOVED`` message: right for a config file or an override, not for
+a checkpoint, whose saved config the user cannot edit."""
+
+
 def _lost(key: str, what: str, why: str = "it lost", evidence: str = "docs/learning.md",
           on: str = "2026-12-03") -> str:
-    return f"{key} ({what}) was removed on {on} ({why}: {evidence}); delete the key"
+    return f"{key} ({what}) was removed on {on} ({why}: {evidence}){DELETE}"
 
 
 UNADOPTED = "the one learning recipe does not use it"
@@ -376,7 +381,7 @@ NORM_VALUE_REMOVED = ("2026-12-06", "docs/recipe.md")
 
 REMOVED = {
     "rollout.overlap": (False, "rollout.overlap was removed: two alternating halves of async envs were "
-                        "slower than plain collection on every configuration measured; delete the key"),
+                        "slower than plain collection on every configuration measured" + DELETE),
     "model.recon_size": (0, _lost("model.recon_size", "the reconstruction loss's decoder")),
     "model.recon_motion": (0.0, _lost("model.recon_motion", "the reconstruction of each frame's change")),
     "ppo.recon_coef": (0.0, _lost("ppo.recon_coef", "the reconstruction loss's weight")),
@@ -407,22 +412,27 @@ ACTING_UNCHANGED = frozenset({"model.norm_value"})
 as it did, so loading it to act (evaluation, export, load_policy) drops them whatever their
 value. Training on from such a checkpoint is still refused."""
 
+def _saved_value(data: dict, key: str, default: Any) -> Any:
+    section, name = key.split(".")
+    values = data.get(section)
+    return values.get(name, default) if isinstance(values, dict) else default
+
+
 def not_resumable(data: dict) -> str | None:
-    """Why a checkpoint whose saved config is ``data`` cannot train on though it can act (an
-    ``ACTING_UNCHANGED`` key set to other than its old default), or None."""
-    found = []
-    for key in sorted(ACTING_UNCHANGED):
-        section, name = key.split(".")
-        old_default = REMOVED[key][0]
-        values = data.get(section)
-        value = values.get(name, old_default) if isinstance(values, dict) else old_default
-        if value != old_default:
-            found.append(f"{key}={value}")
-    if not found:
-        return None
-    on, evidence = NORM_VALUE_REMOVED
-    return (f"was trained with {', '.join(found)}, which was removed on {on} ({evidence}): the run cannot go "
-            "on; its policy still evaluates and exports (visppo eval, visppo export), and a new run trains without it")
+    """Why a checkpoint whose saved config is ``data`` cannot train on (it was trained with a
+    removed key set to other than its old default), or None."""
+    for key, (old_default, message) in REMOVED.items():
+        value = _saved_value(data, key, old_default)
+        if value == old_default:
+            continue
+        if key in ACTING_UNCHANGED:
+            on, evidence = NORM_VALUE_REMOVED
+            return (f"was trained with {key}={value}, which was removed on {on} ({evidence}): the run cannot go "
+                    "on; its policy still evaluates and exports (visppo eval, visppo export), and a new run trains "
+                    "without it")
+        return (f"was trained with {key}={value}: {message.removesuffix(DELETE)}; the run cannot go on, and a new "
+                "run trains without it")
+    return None
 
 
 def _drop_removed(data: dict, overrides: list[str] | tuple[str, ...], source: str,
@@ -431,7 +441,11 @@ def _drop_removed(data: dict, overrides: list[str] | tuple[str, ...], source: st
     for key, (default, message) in REMOVED.items():
         section, name = key.split(".")
         if isinstance(data.get(section), dict) and name in data[section]:
-            if data[section].pop(name) != default and not (to_act and key in ACTING_UNCHANGED):
+            value = data[section].pop(name)
+            if value != default and to_act and key not in ACTING_UNCHANGED:
+                raise ConfigError(f"{source} was trained with {key}={value}: {message.removesuffix(DELETE)}; this "
+                                  "version cannot rebuild its policy: act with the visppo version that trained it")
+            if value != default and not to_act:
                 raise ConfigError(f"{message} (in {source})")
         if any(item.split("=", 1)[0].strip() == key for item in overrides):
             raise ConfigError(message)

@@ -51,6 +51,16 @@ def test_estimate_within_5_percent_of_the_oracle_and_never_2_percent_under(encod
     assert row["estimated_real_mode_bytes"] == pytest.approx(row["estimated_bytes"], rel=0.01)
 
 
+def test_a_max_pools_dropped_indices_are_in_the_cpu_estimate():
+    """ResNet's stem max-pool runs max_pool2d_with_indices and drops the int64 indices inside the
+    op, where the dispatch-level meter cannot see them; in a no-grad chunk of bf16 frames they are
+    the peak's excess. Left out, this row is 0.9% under; measured as a kernel workspace it is as
+    close as the others."""
+    row = vp.run_row(dict(encoder="resnet18", image=48, amp="bf16", kind="infer_chunk", size=32), "cpu")
+    assert row["breakdown"]["conv_workspace"] > 0, row
+    assert -0.002 <= row["error"] <= 0.05, row
+
+
 ROW = dict(encoder="nature", image=48, amp="off", kind="micro_batch", size=8)
 
 

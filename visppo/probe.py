@@ -123,9 +123,10 @@ SOURCES = {
     "activations": "measured: live bytes of the tensors one pass creates (fake or real tensors), beyond the "
                    "gradients; later micro-batches include the temporary gradient before accumulation, and "
                    "checkpointed blocks their recomputation",
-    "conv_workspace": "measured (CPU target): what each convolution allocates and frees inside the op beyond "
-                      "its outputs (oneDNN reorders and reduction buffers, im2col columns), run once for real "
-                      "at the pass's shapes and thread count, cached (KernelWorkspace)",
+    "conv_workspace": "measured (CPU target): what each convolution or max-pool allocates and frees inside the "
+                      "op beyond its outputs (oneDNN reorders and reduction buffers, im2col columns, max_pool2d's "
+                      "dropped indices), run once for real at the pass's shapes and thread count, cached "
+                      "(KernelWorkspace)",
     "cuda_context": "context + lazily loaded kernels: measured once per GPU name (cached), else a default",
     "cublas_workspace": "PyTorch's default per-stream cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG if set)",
     "cudnn_workspace": "assumed: at most the largest convolution output of the pass (cuDNN's heuristic "
@@ -197,17 +198,22 @@ def cublas_workspace_bytes(device: torch.device) -> tuple[int, str]:
     return CUBLAS_WORKSPACE["sm90+"], "PyTorch's default for Hopper and later (the larger one; no GPU here)"
 
 
+CONV_OPS = frozenset({"aten.convolution", "aten._convolution", "aten.conv2d", "aten.convolution_backward"})
+"""Convolutions as a dispatch mode sees them (the cuDNN workspace model's ops)."""
+
+
 class KernelWorkspace:
-    """Bytes a CPU convolution allocates and frees inside the op, beyond its outputs: oneDNN's
-    reordered weights and per-thread weight-gradient reduction buffers (measured on a 2-thread
-    AVX-512 CPU: 2x to 8x a 3x3 layer's weights in backward, depending on its spatial size and
-    the thread count; nothing for a batch of one), the slow path's im2col columns (bf16).
-    A dispatch-level meter cannot see them, and oneDNN's choice of algorithm is not worth
-    re-deriving, so each convolution is run once for real, alone, at the pass's shapes, strides,
-    dtypes and thread count, and the allocator's peak inside it is measured
+    """Bytes a CPU kernel allocates and frees inside the op, beyond its outputs. Convolutions:
+    oneDNN's reordered weights and per-thread weight-gradient reduction buffers (measured on a
+    2-thread AVX-512 CPU: 2x to 8x a 3x3 layer's weights in backward, depending on its spatial size
+    and the thread count; nothing for a batch of one), the slow path's im2col columns (bf16).
+    ``max_pool2d`` (ResNet's stem): it runs ``max_pool2d_with_indices`` and drops the int64
+    indices, 4x the bytes of a bf16 output. A dispatch-level meter sees neither, and the kernels'
+    choices are not worth re-deriving, so each such op is run once for real, alone, at the pass's
+    shapes, strides, dtypes and thread count, and the allocator's peak inside it is measured
     (:func:`visppo.memory.cpu_allocator_peak`); cached per such signature."""
 
-    OPS = frozenset({"aten.convolution", "aten._convolution", "aten.conv2d", "aten.convolution_backward"})
+    OPS = CONV_OPS | {"aten.max_pool2d"}
 
     def __init__(self) -> None:
         self.cache: dict[tuple, int] = {}
@@ -250,7 +256,7 @@ def _real_like(value):
 
 
 class _StepMeter(LiveBytes):
-    """Live bytes, plus what convolution kernels take inside the op, where a dispatch mode cannot
+    """Live bytes, plus what convolution and max-pool kernels take inside the op, where a dispatch mode cannot
     see it: the largest convolution output (the cuDNN workspace model, for a CUDA target), and for
     a CPU target the measured :class:`KernelWorkspace`: ``workspace_peak`` is the peak with it."""
 
@@ -262,12 +268,13 @@ class _StepMeter(LiveBytes):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if str(func.overloadpacket) in KernelWorkspace.OPS:
+        op = str(func.overloadpacket)
+        if op in CONV_OPS:
             sizes = [t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             self.largest_conv = max([self.largest_conv, *sizes])
-            if self.kernel_workspace is not None:  # the outputs are counted: add what the op held beyond them
-                hidden = self.kernel_workspace(func, args, kwargs or {})
-                self.workspace_peak = max(self.workspace_peak, self.current + hidden)
+        if op in KernelWorkspace.OPS and self.kernel_workspace is not None:
+            hidden = self.kernel_workspace(func, args, kwargs or {})  # the outputs are counted: what the op held beyond them
+            self.workspace_peak = max(self.workspace_peak, self.current + hidden)
         self.workspace_peak = max(self.workspace_peak, self.peak)
         return out
 

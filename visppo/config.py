@@ -442,10 +442,11 @@ def _drop_removed(data: dict, overrides: list[str] | tuple[str, ...], source: st
         section, name = key.split(".")
         if isinstance(data.get(section), dict) and name in data[section]:
             value = data[section].pop(name)
-            if value != default and to_act and key not in ACTING_UNCHANGED:
-                raise ConfigError(f"{source} was trained with {key}={value}: {message.removesuffix(DELETE)}; this "
-                                  "version cannot rebuild its policy: act with the visppo version that trained it")
-            if value != default and not to_act:
+            if value != default and not (to_act and key in ACTING_UNCHANGED):
+                if to_act:  # a checkpoint's saved config: nothing for the user to delete
+                    raise ConfigError(f"{source} was trained with {key}={value}: {message.removesuffix(DELETE)}; "
+                                      "this version cannot rebuild its policy: act with the visppo version that "
+                                      "trained it")
                 raise ConfigError(f"{message} (in {source})")
         if any(item.split("=", 1)[0].strip() == key for item in overrides):
             raise ConfigError(message)

@@ -86,6 +86,7 @@ def test_the_grid_measures_each_row_in_a_fresh_process():
     (["--threads", "-1"], "--threads"),
     (["--json", "nowhere/v.json"], "does not exist"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--cap"], "--cap caps the CUDA allocator: give --device cuda"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(capsys, args, needle):
     try:
@@ -150,3 +151,68 @@ def test_split_gradient_check_halves_an_overflowing_loss_scale_as_the_scaler_wou
 def test_headline_fits_an_8_gib_card(amp):
     h = vp.child("cuda", "--headline-one", amp, 0)
     assert h["passed"], vp.format_headline(h)
+
+
+def test_a_cap_leaves_the_allocator_the_estimate_less_the_context():
+    gib = 2**30
+    assert vp.cap_fraction(3 * gib, gib, 80 * gib) == pytest.approx(2 / 80)
+    assert vp.cap_fraction(100 * gib, gib, 80 * gib) == 1.0  # more than the card: no cap
+    with pytest.raises(ValueError, match="nothing beside the CUDA context"):
+        vp.cap_fraction(gib, gib, 80 * gib)
+
+
+def test_the_capped_pass_repeats_each_row_at_its_estimate_plus_the_slack():
+    measured = [{**ROW, "real_mode": True, "estimated_bytes": 1000, "measured_bytes": 990, "error": 0.01,
+                 "device_used": 5, "breakdown": {}}]
+    [capped] = vp.capped_rows(measured)
+    assert capped == {**ROW, "real_mode": True, "cap_bytes": 1020}
+    assert vp.CAP_SLACK == -vp.LIMITS[0]  # the cap allows exactly the most a row may be under
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({"error": 0.0}, None), ({"error": -0.02}, None), ({"error": 0.05}, None),
+    ({"error": -0.021}, "outside -2%..+5%"), ({"error": 0.06}, "outside -2%..+5%"),
+    ({"error": 0.0, "oom": ["out of memory at micro_batch=64: retrying with 32"]}, "ran out of memory under its cap"),
+])
+def test_a_row_passes_only_within_the_limits_and_without_running_out_of_memory(row, problem):
+    problems = vp.within_limits(row)
+    assert (not problems) if problem is None else any(problem in p for p in problems)
+
+
+# (encoder, image, amp, kind, size) on CUDA: one per encoder family and kind, fp32 and bf16
+CUDA_ROWS = [("nature", 84, "off", "micro_batch", 64), ("nature", 84, "bf16", "infer_chunk", 1024),
+             ("resnet18", 128, "off", "micro_batch", 64), ("resnet18", 128, "bf16", "infer_chunk", 256),
+             ("mobilenet_v3_small", 224, "off", "micro_batch", 64)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("encoder, image, amp, kind, size", CUDA_ROWS)
+def test_cuda_estimate_within_the_limits_uncapped_and_capped(encoder, image, amp, kind, size):
+    row = dict(encoder=encoder, image=image, amp=amp, kind=kind, size=size)
+    free = vp.child("cuda", "--one", json.dumps(row), 0)
+    [capped_row] = vp.capped_rows([free])
+    capped = vp.child("cuda", "--one", json.dumps(capped_row), 0)
+    assert not vp.within_limits(free), vp.format_row(free)
+    assert not vp.within_limits(capped), vp.format_row(capped)
+
+
+def test_an_infer_rows_cap_starts_at_the_score_pass_and_a_micro_rows_at_the_build(monkeypatch):
+    """The cap covers what the row's estimate covers: an infer row's unsplit update before its
+    chunked pass runs uncapped. (CUDA calls stubbed: the order is what is tested.)"""
+    import visppo.probe
+
+    calls = []
+    monkeypatch.setattr(visppo.probe, "cuda_context_bytes", lambda device: (2**29, "stub"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 2**34}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.append(("cap", f)))
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name: calls.append((name,)))
+    for capped_phase in ("score", "build"):
+        calls.clear()
+        phase = vp._cuda_phases(torch.device("cpu"), 2**30, capped_phase)
+        for name in ("build", "update", "score"):
+            with phase(name):
+                calls.append(("ran", name))
+        order = [c for c in calls if c[0] in ("cap", "ran")]
+        assert [c for c in order if c[0] == "cap"] == [("cap", (2**30 - 2**29) / 2**34)]  # the context comes off
+        assert order[order.index(("cap", (2**30 - 2**29) / 2**34)) + 1] == ("ran", capped_phase)

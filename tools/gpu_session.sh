@@ -19,16 +19,19 @@
 #   setup       what is importable; the carried EGL packages and wheels installed where needed (on a
 #               machine with a registry and no .whl/: pip install -e ".[test]" stable-baselines3);
 #               visppo itself; one rendered Reacher-v5 frame
-#   probe       tools/validate_probe.py --device cuda --json $OUT/probe_validation_cuda.json
-#               (its default CUDA grid, then the 8 GiB headline check; it has no capped-grid option;
-#               it rewrites its JSON after every row, so a cut-short run keeps what it measured)
+#   probe       tools/validate_probe.py --device cuda --cap --json $OUT/probe_validation_cuda.json
+#               (its default CUDA grid, then the 8 GiB headline check for fp32, bf16 and fp16, then
+#               every row again with the allocator capped at its estimate + 2%; it rewrites its JSON
+#               after every row, so a cut-short run keeps what it measured; PROBE_ARGS replaces --cap)
 #   speed       tools/speed_vs_sb3.py --device cuda --json $OUT/speed_vs_sb3_cuda.json (visppo vs SB3,
 #               end to end, interleaved, and visppo bench's placement; its JSON also after every repeat)
 #   nvidia_smi, pip_list    snapshots
 #
-# The limits add up to well under the 10 minutes of one command (about 8.5 at most):
-# SETUP_TIMEOUT (90 s), PROBE_TIMEOUT (180 s), SPEED_TIMEOUT (240 s); SPEED_ARGS changes the
-# speed script's sizes. At most 7 files land in $OUT (the device tool brings back 8).
+# The limits add up to under the 10 minutes of one command (about 9 at most):
+# SETUP_TIMEOUT (90 s), PROBE_TIMEOUT (240 s), SPEED_TIMEOUT (180 s); SPEED_ARGS changes the
+# speed script's sizes. STEPS (default "probe speed") picks the steps, so that a session can give
+# each its own call, e.g. STEPS=probe PROBE_TIMEOUT=480, then STEPS=speed SPEED_TIMEOUT=480.
+# At most 7 files land in $OUT (the device tool brings back 8).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
@@ -120,10 +123,17 @@ start=$(date +%s)
 setup >"$OUT/setup.log" 2>&1
 echo "setup: done in $(( $(date +%s) - start )) s (see setup.log)"
 tail -n 4 "$OUT/setup.log"
-step probe "${PROBE_TIMEOUT:-180}" $PY tools/validate_probe.py --device cuda --json "$OUT/probe_validation_cuda.json"
-# shellcheck disable=SC2086
-step speed "${SPEED_TIMEOUT:-240}" $PY tools/speed_vs_sb3.py --device cuda ${SPEED_ARGS:---iterations 4 --repeats 3} \
-    --json "$OUT/speed_vs_sb3_cuda.json"
+STEPS=${STEPS:-probe speed}
+case " $STEPS " in *" probe "*)
+    # shellcheck disable=SC2086
+    step probe "${PROBE_TIMEOUT:-240}" $PY tools/validate_probe.py --device cuda ${PROBE_ARGS:---cap} \
+        --json "$OUT/probe_validation_cuda.json" ;;
+esac
+case " $STEPS " in *" speed "*)
+    # shellcheck disable=SC2086
+    step speed "${SPEED_TIMEOUT:-180}" $PY tools/speed_vs_sb3.py --device cuda ${SPEED_ARGS:---iterations 4 --repeats 3} \
+        --json "$OUT/speed_vs_sb3_cuda.json" ;;
+esac
 step nvidia_smi 20 nvidia-smi
 step pip_list 30 $PY -m pip list
-tail -n 20 "$OUT/speed.log"
+for s in $STEPS; do echo "--- $s.log"; tail -n 12 "$OUT/$s.log"; done

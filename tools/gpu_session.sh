@@ -23,6 +23,10 @@
 #               (its default CUDA grid, then the 8 GiB headline check for fp32, bf16 and fp16, then
 #               every row again with the allocator capped at its estimate + 2%; it rewrites its JSON
 #               after every row, so a cut-short run keeps what it measured; PROBE_ARGS replaces --cap)
+#   expandable  (only when STEPS names it) the fp32 grid again, uncapped and capped, under
+#               PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, into
+#               $OUT/probe_validation_cuda_expandable.json: whether that allocator's reserve follows
+#               what it allocated closely enough for the probe to model it (EXPANDABLE_TIMEOUT, 240 s)
 #   speed       tools/speed_vs_sb3.py --device cuda --json $OUT/speed_vs_sb3_cuda.json (visppo vs SB3,
 #               end to end, interleaved, and visppo bench's placement; its JSON also after every repeat)
 #   nvidia_smi, pip_list    snapshots
@@ -30,8 +34,8 @@
 # The limits add up to under the 10 minutes of one command (about 9 at most):
 # SETUP_TIMEOUT (90 s), PROBE_TIMEOUT (240 s), SPEED_TIMEOUT (180 s); SPEED_ARGS changes the
 # speed script's sizes. STEPS (default "probe speed") picks the steps, so that a session can give
-# each its own call, e.g. STEPS=probe PROBE_TIMEOUT=480, then STEPS=speed SPEED_TIMEOUT=480.
-# At most 7 files land in $OUT (the device tool brings back 8).
+# each its own call, e.g. STEPS=probe PROBE_TIMEOUT=480, then STEPS="expandable speed".
+# Two steps to a call: at most 7 files land in $OUT (the device tool brings back 8).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
@@ -128,6 +132,11 @@ case " $STEPS " in *" probe "*)
     # shellcheck disable=SC2086
     step probe "${PROBE_TIMEOUT:-240}" $PY tools/validate_probe.py --device cuda ${PROBE_ARGS:---cap} \
         --json "$OUT/probe_validation_cuda.json" ;;
+esac
+case " $STEPS " in *" expandable "*)
+    step expandable "${EXPANDABLE_TIMEOUT:-240}" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        $PY tools/validate_probe.py --device cuda --amp off --no-headline --cap \
+        --json "$OUT/probe_validation_cuda_expandable.json" ;;
 esac
 case " $STEPS " in *" speed "*)
     # shellcheck disable=SC2086

@@ -34,7 +34,7 @@
 # The limits add up to under the 10 minutes of one command (about 9 at most):
 # SETUP_TIMEOUT (90 s), PROBE_TIMEOUT (240 s), SPEED_TIMEOUT (180 s); SPEED_ARGS changes the
 # speed script's sizes. STEPS (default "probe speed") picks the steps, so that a session can give
-# each its own call, e.g. STEPS=probe PROBE_TIMEOUT=480, then STEPS="expandable speed".
+# each its own call, e.g. STEPS=probe PROBE_TIMEOUT=420, then STEPS="expandable speed".
 # Two steps to a call: at most 7 files land in $OUT (the device tool brings back 8).
 set -u
 cd "$(dirname "$0")/.." || exit 1

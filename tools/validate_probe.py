@@ -222,12 +222,27 @@ def cap_fraction(cap_bytes: int, context_bytes: int, total_bytes: int) -> float:
     return min(1.0, (cap_bytes - context_bytes) / total_bytes)
 
 
+def cap_allocator(device: torch.device, cap_bytes: int) -> None:
+    """Hold this process's allocator to ``cap_bytes`` of device use, the measured CUDA context
+    included (as on a card of that size)."""
+    from visppo.probe import cuda_context_bytes
+
+    context, _ = cuda_context_bytes(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap_fraction(cap_bytes, context, total), device)
+
+
 def capped_rows(results: list[dict], slack: float = CAP_SLACK) -> list[dict]:
     """The capped pass of a measured grid: each row again, its allocator capped at the estimate
     (which counts the context) plus ``slack``."""
     keys = ("encoder", "image", "amp", "kind", "size", "real_mode")
     return [{**{k: r[k] for k in keys if k in r}, "cap_bytes": int(r["estimated_bytes"] * (1 + slack))}
             for r in results]
+
+
+def limits_summary(results: list[dict]) -> str:
+    failing = sum(1 for r in results if within_limits(r))
+    return f"{failing} of {len(results)} rows outside {100 * LIMITS[0]:+.0f}%..{100 * LIMITS[1]:+.0f}% or out of memory"
 
 
 def within_limits(row: dict, limits: tuple[float, float] = LIMITS) -> list[str]:
@@ -253,11 +268,7 @@ def _cuda_phases(device: torch.device, cap_bytes: int | None = None, capped_phas
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         if cap_bytes is not None and name == capped_phase:
-            from visppo.probe import cuda_context_bytes
-
-            context, _ = cuda_context_bytes(device)
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(cap_fraction(cap_bytes, context, total), device)
+            cap_allocator(device, cap_bytes)
         yield
     return phase
 
@@ -311,9 +322,8 @@ def headline(amp: str) -> dict:
     device = torch.device("cuda", torch.cuda.current_device())  # set_per_process_memory_fraction needs an index
     cfg = load_config(None, overrides("resnet18", 224, amp, 256, 512, "cuda", epochs=2))
     rec = probe(cfg, HEADLINE_BUDGET, "cuda", mode="fake")
-    context, _ = cuda_context_bytes(device)  # a real 8 GiB card holds the context too: cap the allocator below
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction((HEADLINE_BUDGET - context) / total, device)
+    context, _ = cuda_context_bytes(device)  # reported; cap_allocator takes it off the budget too
+    cap_allocator(device, HEADLINE_BUDGET)
     torch.cuda.reset_peak_memory_stats(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -454,7 +464,7 @@ def _parser() -> Parser:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--no-headline", action="store_true", help="cuda: skip the 8 GiB headline check")
     parser.add_argument("--cap", action="store_true",
-                        help="cuda: run every row again with the allocator capped at its estimate + 2%%")
+                        help=f"cuda: run every row again with the allocator capped at its estimate + {100 * CAP_SLACK:.0f}%%")
     parser.add_argument("--fake-only", action="store_true", help="cpu: skip the real-mode estimate (faster)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--headline-one", help=argparse.SUPPRESS)
@@ -514,24 +524,20 @@ def main(argv: list[str] | None = None) -> int:
         print(format_row(r), flush=True)
         _save(args.json, args.device, results, headlines)
     worst = max(results, key=lambda r: abs(r["error"]))
-    failing = [r for r in results if within_limits(r)]
     print(f"worst error {100 * worst['error']:+.2f}% ({worst['config']} {worst['kind']} {worst['size']}); "
-          f"most under {100 * min(r['error'] for r in results):+.2f}%; {len(failing)} of {len(results)} rows "
-          f"outside {100 * LIMITS[0]:+.0f}%..{100 * LIMITS[1]:+.0f}% or out of memory")
+          f"most under {100 * min(r['error'] for r in results):+.2f}%; {limits_summary(results)}")
     if args.device == "cuda" and not args.no_headline:
         for amp in HEADLINE_AMPS:
             headlines.append(child("cuda", "--headline-one", amp, args.threads))
             print(format_headline(headlines[-1]), flush=True)
             _save(args.json, args.device, results, headlines)
     if args.cap:  # last: a run cut short by a time limit keeps the grid and the headline
-        print("capped: the allocator held to each row's estimate + 2%", flush=True)
+        print(f"capped: the allocator held to each row's estimate + {100 * CAP_SLACK:.0f}%", flush=True)
         for r in run_grid(capped_rows(results), args.device, args.threads):
-            results.append({**r, "capped": True})
+            results.append(r)  # a capped row is the one with cap_bytes
             print(format_row(r), flush=True)
             _save(args.json, args.device, results, headlines)
-        failing = [r for r in results if within_limits(r)]
-        print(f"capped and uncapped: {len(failing)} of {len(results)} rows outside "
-              f"{100 * LIMITS[0]:+.0f}%..{100 * LIMITS[1]:+.0f}% or out of memory")
+        print(f"capped and uncapped: {limits_summary(results)}")
     return 0 if all(h["passed"] for h in headlines) else 1
 
 

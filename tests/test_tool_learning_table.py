@@ -89,6 +89,18 @@ def test_table_compares_variants_of_an_ablation_row_by_row(tmp_path, capsys):
     assert (tmp_path / "abl.png").stat().st_size > 0
 
 
+def test_plot_wraps_panels_into_rows(tmp_path, capsys):
+    import matplotlib.image
+
+    out = tmp_path / "table"
+    for i in range(lt.PANELS_PER_ROW + 2):  # one full row and two panels of the next
+        fake_run(out / f"task{i}" / "seed1", "visppo/Reach-v0", 2000, [(1000, 1.0, 0.0), (2000, float(i), 0.0)])
+    code, _, err = table(capsys, out, "--at", "2k", "--plot", tmp_path / "w.png")
+    assert code == 0, err
+    height, width = matplotlib.image.imread(tmp_path / "w.png").shape[:2]
+    assert (width, height) == (round(4.5 * lt.PANELS_PER_ROW * 110), round(3.5 * 2 * 110))
+
+
 def test_table_per_seed_lists_each_seeds_return_in_seed_order(tmp_path, capsys):
     out = tmp_path / "abl" / "base"
     for seed, ret in ((10, 30.0), (2, 20.0), (1, 10.0)):  # seed10 sorts after seed2 as a number, not as text

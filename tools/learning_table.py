@@ -83,6 +83,7 @@ KEPT = ("config.yaml", "metrics.csv", FINAL_EVAL)
 """What ``--keep`` copies of a run, ``final_eval.json`` last: its presence marks a whole copy."""
 EVAL_SEED = 0
 POLL_SECONDS = 1.0
+PANELS_PER_ROW = 5  # the plot wraps its panels (one per config) into rows of this many
 
 
 class UsageError(Exception):
@@ -499,8 +500,12 @@ def plot(outs: list[Path], path: Path, column: str = "episode_return") -> None:
 
     found = groups(outs)
     configs = list(dict.fromkeys(config for config, _, _ in found))
-    fig, axes = plt.subplots(1, len(configs), figsize=(4.5 * len(configs), 3.5), squeeze=False)
-    for ax, config in zip(axes[0], configs):
+    cols = min(len(configs), PANELS_PER_ROW)
+    rows = -(-len(configs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.5 * rows), squeeze=False)
+    for ax in axes.flat[len(configs):]:
+        ax.set_visible(False)  # the last row's empty panels
+    for ax, config in zip(axes.flat, configs):
         for _, variant, runs in (g for g in found if g[0] == config):
             _band(ax, [read_rows(d) for d in runs], column, variant)
         ax.set_title(config)

@@ -70,7 +70,7 @@ def test_a_gaussian_mean_beyond_the_bounds_is_counted():
         pol.actor[-1].bias.copy_(torch.tensor([-2.2, 0.5]))  # first action pinned, second inside
     h = activation_health(pol, *_batch(), action_space=ACTIONS)
     assert h["health/mean_out_of_bounds"] == 0.5
-    wide = gym.spaces.Box(np.array([-3.0, -np.inf]), np.array([3.0, np.inf]), dtype=np.float32)
+    wide = gym.spaces.Box(np.array([-3.0, -np.inf], np.float32), np.array([3.0, np.inf], np.float32))
     assert activation_health(pol, *_batch(), action_space=wide)["health/mean_out_of_bounds"] == 0.0, \
         "unbounded dimensions are left out, the bounded one is inside"
     assert math.isnan(activation_health(pol, *_batch())["health/mean_out_of_bounds"]), "no bounds given"

@@ -222,14 +222,15 @@ def cap_fraction(cap_bytes: int, context_bytes: int, total_bytes: int) -> float:
     return min(1.0, (cap_bytes - context_bytes) / total_bytes)
 
 
-def cap_allocator(device: torch.device, cap_bytes: int) -> None:
+def cap_allocator(device: torch.device, cap_bytes: int) -> int:
     """Hold this process's allocator to ``cap_bytes`` of device use, the measured CUDA context
-    included (as on a card of that size)."""
+    included (as on a card of that size); returns that context's bytes."""
     from visppo.probe import cuda_context_bytes
 
     context, _ = cuda_context_bytes(device)
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(cap_fraction(cap_bytes, context, total), device)
+    return context
 
 
 def capped_rows(results: list[dict], slack: float = CAP_SLACK) -> list[dict]:
@@ -241,8 +242,9 @@ def capped_rows(results: list[dict], slack: float = CAP_SLACK) -> list[dict]:
 
 
 def limits_summary(results: list[dict]) -> str:
-    failing = sum(1 for r in results if within_limits(r))
-    return f"{failing} of {len(results)} rows outside {100 * LIMITS[0]:+.0f}%..{100 * LIMITS[1]:+.0f}% or out of memory"
+    """How many rows fail :func:`within_limits`, as the summary line says it."""
+    outside = sum(1 for r in results if within_limits(r))
+    return f"{outside} of {len(results)} rows outside {100 * LIMITS[0]:+.0f}%..{100 * LIMITS[1]:+.0f}% or out of memory"
 
 
 def within_limits(row: dict, limits: tuple[float, float] = LIMITS) -> list[str]:
@@ -317,13 +319,12 @@ def headline(amp: str) -> dict:
     import warnings
 
     from visppo.config import load_config
-    from visppo.probe import cuda_context_bytes, probe
+    from visppo.probe import probe
 
     device = torch.device("cuda", torch.cuda.current_device())  # set_per_process_memory_fraction needs an index
     cfg = load_config(None, overrides("resnet18", 224, amp, 256, 512, "cuda", epochs=2))
     rec = probe(cfg, HEADLINE_BUDGET, "cuda", mode="fake")
-    context, _ = cuda_context_bytes(device)  # reported; cap_allocator takes it off the budget too
-    cap_allocator(device, HEADLINE_BUDGET)
+    context = cap_allocator(device, HEADLINE_BUDGET)  # a real 8 GiB card holds the context too
     torch.cuda.reset_peak_memory_stats(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

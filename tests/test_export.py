@@ -1,4 +1,4 @@
-"""visppo export: ONNX and TorchScript files that act as the eager policy does, a shareable folder
+"""visppo export: ONNX, torch.export (pt2) and TorchScript files that act as the eager policy does, a shareable folder
 that visppo.load_policy loads, and the deploy extra's one-line error when it is missing."""
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def test_onnx_runs_in_onnx_runtime_with_the_eager_policys_actions(run_dir, recor
     assert spec["files"]["model"] == "policy.onnx" and spec["config"]["env"]["state"] is True
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")  # still loads; pt2 is the successor
 def test_torchscript_loads_with_torch_jit_and_acts_as_the_eager_policy(run_dir, recorded, tmp_path, capsys):
     _, pixels, state, _ = recorded
     eager = load_policy(run_dir).act_stacked(pixels, state)
@@ -77,6 +78,22 @@ def test_torchscript_loads_with_torch_jit_and_acts_as_the_eager_policy(run_dir, 
     print(f"TorchScript vs eager, {len(pixels)} observations: max abs diff {diff:.3g}")
     assert actions.shape == eager.shape and diff <= TOLERANCE
     assert sorted(p.name for p in out.iterdir()) == ["policy.json", "policy.pt"]
+
+
+def test_pt2_loads_with_torch_export_and_acts_as_the_eager_policy(run_dir, recorded, tmp_path, capsys):
+    _, pixels, state, _ = recorded
+    eager = load_policy(run_dir).act_stacked(pixels, state)
+    out = exported(run_dir, tmp_path, capsys, "pt2")
+    network = torch.export.load(str(out / "policy.pt2")).module()
+    with torch.no_grad():
+        actions = network(torch.from_numpy(pixels), torch.from_numpy(state)).numpy()
+        three = network(torch.from_numpy(pixels[:3]), torch.from_numpy(state[:3])).numpy()
+    diff = float(np.max(np.abs(actions - eager)))
+    print(f"torch.export vs eager, {len(pixels)} observations: max abs diff {diff:.3g}")
+    assert actions.shape == eager.shape and diff <= TOLERANCE
+    assert np.max(np.abs(three - eager[:3])) <= TOLERANCE  # the batch dimension is not fixed at export
+    assert sorted(p.name for p in out.iterdir()) == ["policy.json", "policy.pt2"]
+    assert json.loads((out / "policy.json").read_text())["files"]["model"] == "policy.pt2"
 
 
 def test_the_folder_holds_weights_config_and_a_model_card_and_loads(run_dir, recorded, tmp_path, capsys):

@@ -93,7 +93,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    """A run's policy as a folder (safetensors, config, model card), ONNX or TorchScript."""
+    """A run's policy as a folder (safetensors, config, model card), ONNX, pt2 or TorchScript."""
     from visppo.export import export
 
     out = export(ns.run, ns.out, ns.format)
@@ -203,12 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "meet a training episode's (0)")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("export", help="export a policy: visppo export RUN_DIR_OR_CKPT --out DIR "
-                       "[--format folder|onnx|torchscript]")
+                       "[--format folder|onnx|pt2|torchscript]")
     p.add_argument("run", metavar="RUN_DIR_OR_CKPT")
-    p.add_argument("--format", default="folder", choices=["folder", "onnx", "torchscript"],
+    p.add_argument("--format", default="folder", choices=["folder", "onnx", "pt2", "torchscript"],
                    help="folder: model.safetensors, config.yaml, policy.json, README.md (the Hugging Face "
-                        "Hub's layout; the default); onnx / torchscript: one network, stacked uint8 frames in, "
-                        "action out, and policy.json")
+                        "Hub's layout; the default); onnx / pt2 (torch.export) / torchscript: one network, "
+                        "stacked uint8 frames in, action out, and policy.json")
     p.add_argument("--out", required=True, metavar="DIR", help="the folder to create (new or empty)")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("plot", help="learning curves: visppo plot RUN_DIR... [--out FILE]")

@@ -213,8 +213,9 @@ def load_policy(path_or_run: str | Path) -> Policy:
     if path.is_dir() and (path / SPEC_FILE).is_file() and not (path / "checkpoints").is_dir():
         if not (path / WEIGHTS_FILE).is_file():
             raise CheckpointError(f"{path} holds no {WEIGHTS_FILE}: load_policy reads a run directory, a "
-                                  "checkpoint or a folder of `visppo export --format folder` (an ONNX or "
-                                  "TorchScript export runs with ONNX Runtime or torch.jit.load)")
+                                  "checkpoint or a folder of `visppo export --format folder` (an ONNX, pt2 or "
+                                  "TorchScript export runs with ONNX Runtime, torch.export.load or "
+                                  "torch.jit.load)")
         return load_folder(path)
     return load_checkpoint(resolve_checkpoint(path))
 

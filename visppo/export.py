@@ -1,17 +1,19 @@
-"""``visppo export RUN --format folder|onnx|torchscript --out DIR``: a policy to run elsewhere.
+"""``visppo export RUN --format folder|onnx|pt2|torchscript --out DIR``: a policy to run elsewhere.
 
 - ``folder`` (the default): ``model.safetensors`` (the network's weights), ``config.yaml`` (the
   run's resolved config), ``policy.json`` and a model card ``README.md``: the layout the Hugging
   Face Hub expects (``huggingface_hub.upload_folder`` publishes it as it is), which
   :func:`visppo.load_policy` loads.
-- ``onnx`` (``policy.onnx``) and ``torchscript`` (``policy.pt``): one self-contained network,
+- ``onnx`` (``policy.onnx``), ``pt2`` (``policy.pt2``, a ``torch.export`` program: TorchScript's
+  successor, loaded with ``torch.export.load``) and ``torchscript`` (``policy.pt``, for libtorch
+  in C++; ``torch.jit`` is deprecated from torch 2.14 on): one self-contained network,
   stacked uint8 frames ``pixels`` [batch, channels * frame_stack, H, W] (and ``state`` [batch, d])
   in, the deterministic action out (the Gaussian's mean clipped to the Box's bounds, or the
   discrete action's index), with ``policy.json`` saying how to stack the frames.
 
 Every format writes its files into a temporary folder beside ``--out`` and renames it into
 place: a failure leaves nothing under ``--out``. The folder and ONNX formats need the ``deploy``
-extra (safetensors; onnx and onnxscript), checked before any work; TorchScript needs only torch.
+extra (safetensors; onnx and onnxscript), checked before any work; pt2 and TorchScript need only torch.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from visppo.config import to_yaml
 from visppo.deploy import CONFIG_FILE, SPEC_FILE, WEIGHTS_FILE, Policy, load_policy
 from visppo.errors import ConfigError
 
-FORMATS = ("folder", "onnx", "torchscript")
-NEEDS = {"folder": ("safetensors",), "onnx": ("onnx", "onnxscript"), "torchscript": ()}
-"""The modules each format needs (the deploy extra's; TorchScript needs only torch)."""
-FILES = {"onnx": "policy.onnx", "torchscript": "policy.pt"}
+FORMATS = ("folder", "onnx", "pt2", "torchscript")
+NEEDS = {"folder": ("safetensors",), "onnx": ("onnx", "onnxscript"), "pt2": (), "torchscript": ()}
+"""The modules each format needs (the deploy extra's; pt2 and TorchScript need only torch)."""
+FILES = {"onnx": "policy.onnx", "pt2": "policy.pt2", "torchscript": "policy.pt"}
 EXAMPLE_BATCH = 2
 """The batch the exporters trace with; the exported batch dimension is dynamic."""
 
@@ -123,18 +125,20 @@ def example_inputs(policy: Policy) -> tuple[torch.Tensor, ...]:
 
 
 def write_network(policy: Policy, folder: Path, fmt: str) -> dict[str, str]:
-    """The ONNX or TorchScript file of :class:`ActionNetwork`, its batch dimension dynamic."""
+    """The ONNX, pt2 or TorchScript file of :class:`ActionNetwork`, its batch dimension dynamic."""
     module = ActionNetwork(policy).eval().to(memory_format=torch.contiguous_format).requires_grad_(False)
     inputs = example_inputs(policy)
     names = ["pixels", "state"][:len(inputs)]
     path = folder / FILES[fmt]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's deprecation notes on tracing, the exporter's chatter
+        batch = torch.export.Dim("batch")
+        dynamic = {n: {0: batch} for n in names}
         if fmt == "onnx":
-            batch = torch.export.Dim("batch")
             torch.onnx.export(module, inputs, str(path), input_names=names, output_names=["action"],
-                              dynamo=True, dynamic_shapes={n: {0: batch} for n in names}, verbose=False,
-                              external_data=False)
+                              dynamo=True, dynamic_shapes=dynamic, verbose=False, external_data=False)
+        elif fmt == "pt2":
+            torch.export.save(torch.export.export(module, inputs, dynamic_shapes=dynamic), str(path))
         else:
             with torch.no_grad():
                 traced = torch.jit.trace(module, inputs, check_trace=False)

@@ -213,6 +213,16 @@ def test_iqm_is_the_interquartile_mean_over_tasks_and_seeds_with_a_bootstrap_int
     assert line.endswith("left out (no common scale): reach"), line
 
 
+def test_one_seed_per_task_gets_no_interval_rather_than_a_zero_width_one(tmp_path, capsys):
+    out = tmp_path / "table"
+    dmc_runs(out, {task: (env_id, finals[:1]) for task, (env_id, finals) in IQM_SCORES.items()})
+    code, text, err = table(capsys, out, "--at", "500k", "--reps", "200")
+    assert code == 0, err
+    line = next(line for line in text.splitlines() if line.startswith("IQM"))
+    assert line.startswith("IQM over 4 DMC task(s) x 1 seed(s) (seed1), raw returns (0-1000): **") and "CI" not in line
+    assert "(no interval: one seed per task leaves the stratified bootstrap nothing to resample)" in line, line
+
+
 def test_goal_line_counts_tasks_above_the_ppo_row_and_sets_the_mean_beside_the_published_means(tmp_path, capsys):
     """Task means 505, 45, 45, 45 against PPO 596, 47, 241, 10 (MR.Q, Table 6): above on reacher-hard
     only; mean 160 against PPO's 223.5 and DrQ-v2's 798.75, half way 511.1. Reach has no published row."""

@@ -486,9 +486,11 @@ def iqm_line(s: dict) -> str:
     if not s["seeds"]:
         return f"{name}: the DMC tasks {', '.join(s['tasks'])} share no evaluated seed{left}"
     lo, hi = s["ci"]
-    return (f"{name} over {len(s['tasks'])} DMC task(s) x {len(s['seeds'])} seed(s) "
-            f"({', '.join(s['seeds'])}), raw returns (0-1000): **{s['iqm']:.1f}** "
-            f"[95% CI {lo:.1f}, {hi:.1f}] (stratified bootstrap, {s['reps']:,} reps, rliable){left}")
+    head = (f"{name} over {len(s['tasks'])} DMC task(s) x {len(s['seeds'])} seed(s) "
+            f"({', '.join(s['seeds'])}), raw returns (0-1000): **{s['iqm']:.1f}** ")
+    if len(s["seeds"]) == 1:  # the stratified bootstrap resamples seeds within each task: one gives no spread
+        return head + f"(no interval: one seed per task leaves the stratified bootstrap nothing to resample){left}"
+    return head + f"[95% CI {lo:.1f}, {hi:.1f}] (stratified bootstrap, {s['reps']:,} reps, rliable){left}"
 
 
 def plot(outs: list[Path], path: Path, column: str = "episode_return") -> None:

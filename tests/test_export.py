@@ -120,6 +120,14 @@ def test_the_folder_holds_weights_config_and_a_model_card_and_loads(run_dir, rec
     assert act_on(policy, raw) == 0.0  # the folder's policy is the run's, bit for bit
 
 
+def test_the_cli_offers_every_format_export_writes():
+    from visppo.cli import build_parser
+
+    export_parser = build_parser()._subparsers._group_actions[0].choices["export"]
+    [fmt] = [a for a in export_parser._actions if a.dest == "format"]
+    assert tuple(fmt.choices) == export_module.FORMATS  # the CLI keeps torch out of its imports: a copy
+
+
 def test_a_run_never_evaluated_says_so_in_its_card(run_dir):
     policy = load_policy(run_dir)
     card = export_module.model_card(policy, None)

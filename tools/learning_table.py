@@ -360,7 +360,8 @@ def final_results(outs: list[Path]) -> list[dict]:
 
 def iqm_summary(final: list[dict], reps: int = 50_000, seed: int = 0) -> list[dict]:
     """Per variant: the IQM of the raw final returns over its DMC tasks (one score per task and
-    seed, the seeds every such task has) and its 95% stratified bootstrap interval (rliable)."""
+    seed, the seeds every such task has) and its 95% stratified bootstrap interval (rliable; NaN
+    with one seed per task)."""
     import numpy as np
     from rliable import library as rly
     from rliable import metrics
@@ -373,8 +374,11 @@ def iqm_summary(final: list[dict], reps: int = 50_000, seed: int = 0) -> list[di
         seeds = sorted(common, key=lambda name: seed_number(Path(name)))
         summary = {"variant": variant, "tasks": [r["task"] for r in rows], "seeds": seeds,
                    "left_out": others, "iqm": math.nan, "ci": (math.nan, math.nan), "reps": reps}
-        if seeds:
-            scores = np.array([[r["seeds"][s] for r in rows] for s in seeds])  # runs x tasks
+        scores = np.array([[r["seeds"][s] for r in rows] for s in seeds])  # runs x tasks
+        if len(seeds) == 1:  # the stratified bootstrap resamples seeds within each task: one gives no spread
+            summary["iqm"] = float(metrics.aggregate_iqm(scores))
+            summary["scores"] = scores
+        elif seeds:
             with warnings.catch_warnings():  # arch: RandomState is deprecated in favour of Generator
                 warnings.simplefilter("ignore", FutureWarning)
                 point, interval = rly.get_interval_estimates(
@@ -485,10 +489,10 @@ def iqm_line(s: dict) -> str:
         return f"{name}: no DeepMind Control task with a final evaluation{left}"
     if not s["seeds"]:
         return f"{name}: the DMC tasks {', '.join(s['tasks'])} share no evaluated seed{left}"
-    lo, hi = s["ci"]
     head = (f"{name} over {len(s['tasks'])} DMC task(s) x {len(s['seeds'])} seed(s) "
             f"({', '.join(s['seeds'])}), raw returns (0-1000): **{s['iqm']:.1f}** ")
-    if len(s["seeds"]) == 1:  # the stratified bootstrap resamples seeds within each task: one gives no spread
+    lo, hi = s["ci"]
+    if math.isnan(lo):
         return head + f"(no interval: one seed per task leaves the stratified bootstrap nothing to resample){left}"
     return head + f"[95% CI {lo:.1f}, {hi:.1f}] (stratified bootstrap, {s['reps']:,} reps, rliable){left}"
 

@@ -85,6 +85,8 @@ class ModelConfig:
     """Width of the MLP branch for the proprioceptive vector."""
     shared_layers: int = 0
     """Tanh layers of hidden_dim over the encoder's features (pixels and state concatenated), trained by both losses before the actor's and critic's own hidden layer; 0: the heads read the features directly."""
+    feature_norm: bool = False
+    """LayerNorm over the encoder's output (pixel and state features together, before shared_layers): the heads read features of mean 0 and variance 1 per sample, whatever scale the losses drive the encoder to. A candidate on the DMC dev set (docs/recipe.md)."""
     share_encoder: bool = True
     """Actor and critic share one encoder; false gives the critic its own (about 1.75x the update's time). (evidence: docs/learning.md)"""
     init_log_std: float = -0.5

@@ -127,6 +127,7 @@ RETIRED = {  # issue 55: the keys removed on 2026-12-03, their old defaults and 
     "ppo.drac_coef": (0.0, 0.1), "model.rotate_degrees": (180.0, 90), "model.final_log_std": (None, -1.6),
     "model.augment": ("none", "shift"), "model.shift_pad": (4, 8), "ppo.augment_loss": (False, True),
     "model.norm_value": (False, True),  # removed on 2026-12-06 (docs/recipe.md)
+    "model.feature_norm": (False, True),  # removed on 2026-12-07 (docs/recipe.md, arm F)
 }
 
 
@@ -137,7 +138,7 @@ def test_each_retired_key_is_refused_as_removed_and_dropped_at_its_old_default(t
     from visppo.cli import main
 
     old, other = RETIRED[key]
-    removed = rf"{key.replace('.', '[.]')} \(.*\) was removed on 2026-12-0[36] .*delete the key"
+    removed = rf"{key.replace('.', '[.]')} \(.*\) was removed on 2026-12-0[367] .*delete the key"
     with pytest.raises(ConfigError, match=removed):
         load_config(None, [f"{key}={other}"])
     code, err = main(["config", f"{key}={other}"]), capsys.readouterr().err

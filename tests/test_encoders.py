@@ -77,24 +77,6 @@ def test_shared_layers_are_orthogonal_tanh_layers_over_pixels_and_state_together
     assert not any(k.startswith("shared.") for k in plain.state_dict())  # 0 layers: old checkpoints' keys
 
 
-def test_feature_norm_standardises_pixels_and_state_together_whatever_their_scale():
-    torch.manual_seed(0)
-    enc = ObsEncoder((6, 64, 64), 5, 32, 8, feature_norm=True, shared_layers=1, shared_dim=16)
-    assert enc.norm.normalized_shape == (40,), "the concatenation of pixels and state"
-    obs = {"pixels": torch.randint(0, 256, (4, 6, 64, 64), dtype=torch.uint8), "state": torch.randn(4, 5)}
-    plain = ObsEncoder((6, 64, 64), 5, 32, 8)
-    plain.load_state_dict({k: v for k, v in enc.state_dict().items() if k.startswith(("pixels.", "state."))})
-    assert not any(k.startswith("norm.") for k in plain.state_dict()), "off: old checkpoints' keys"
-    with torch.no_grad():
-        torch.testing.assert_close(enc(obs), enc.shared(enc.norm(plain(obs))), msg="norm before the shared layers")
-        for scale in (1.0, 1000.0):  # 1000: features grown as a value loss in return units can grow them
-            enc.pixels.proj[0].weight.mul_(scale)
-            enc.pixels.proj[0].bias.mul_(scale)
-            feats = enc.norm(torch.cat([enc.pixels(obs["pixels"]), enc.state(obs["state"])], -1))
-            torch.testing.assert_close(feats.mean(-1), torch.zeros(4), atol=1e-5, rtol=0)
-            torch.testing.assert_close(feats.var(-1, unbiased=False), torch.ones(4), atol=1e-3, rtol=0)
-
-
 def test_samples_are_independent_of_their_batch():
     """No layer mixes samples: a sample's features do not depend on the others."""
     enc = ObsEncoder((3, 64, 64), 2, 16, 8)

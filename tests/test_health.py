@@ -48,24 +48,6 @@ def test_dead_features_are_counted_exactly():
     assert activation_health(pol, *_batch())["health/dead_features"] == 64 / 256
 
 
-def test_dead_features_are_counted_before_the_feature_norm():
-    """A ReLU that never fires still reads as dead once a LayerNorm (model.feature_norm) follows,
-    and the normalised features keep the heads out of the saturation that the same grown
-    features cause without it."""
-    health = {}
-    for norm in (False, True):
-        pol = _policy(feature_norm=norm)
-        with torch.no_grad():
-            pol.encoder.pixels.proj[0].weight.mul_(1e4)
-            pol.encoder.pixels.proj[0].bias[:64] = -1e6  # 64 of 256 never fire on any frame
-            pol.encoder.pixels.proj[0].bias[64:] = 1e6  # the rest always fire, and large
-        health[norm] = activation_health(pol, *_batch())
-        assert all(not m._forward_hooks for m in pol.modules())
-    assert health[False]["health/dead_features"] == health[True]["health/dead_features"] == 64 / 256
-    assert health[False]["health/saturated_actor"] > 0.9 and health[False]["health/saturated_critic"] > 0.9
-    assert health[True]["health/saturated_actor"] < 0.2 and health[True]["health/saturated_critic"] < 0.2
-
-
 def test_the_encoder_part_counts_shared_tanh_layers_and_hooks_are_removed():
     pol = _policy(shared_layers=2)
     h = activation_health(pol, *_batch())

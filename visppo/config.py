@@ -85,8 +85,6 @@ class ModelConfig:
     """Width of the MLP branch for the proprioceptive vector."""
     shared_layers: int = 0
     """Tanh layers of hidden_dim over the encoder's features (pixels and state concatenated), trained by both losses before the actor's and critic's own hidden layer; 0: the heads read the features directly."""
-    feature_norm: bool = False
-    """LayerNorm over the encoder's output (pixel and state features together, before shared_layers): the heads read features of mean 0 and variance 1 per sample, whatever scale the losses drive the encoder to. A candidate on the DMC dev set (docs/recipe.md)."""
     share_encoder: bool = True
     """Actor and critic share one encoder; false gives the critic its own (about 1.75x the update's time). (evidence: docs/learning.md)"""
     init_log_std: float = -0.5
@@ -379,6 +377,7 @@ SHIFTS_LOST = "random shifts in every loss lost on two of three dev tasks"
 NORM_VALUE_LOST = "raw value targets won the dev set over two seeds"
 NORM_VALUE_REMOVED = ("2026-12-06", "docs/recipe.md")
 """When model.norm_value was removed, and where the evidence is."""
+FEATURE_NORM_LOST = "it did not beat arm E on the dev set"
 
 
 REMOVED = {
@@ -405,6 +404,8 @@ REMOVED = {
     "ppo.augment_loss": (False, _lost("ppo.augment_loss", "every loss on shifted frames", SHIFTS_LOST, "docs/recipe.md")),
     "model.norm_value": (False, _lost("model.norm_value", "the critic's standardised value targets",
                                       NORM_VALUE_LOST, NORM_VALUE_REMOVED[1], NORM_VALUE_REMOVED[0])),
+    "model.feature_norm": (False, _lost("model.feature_norm", "the LayerNorm over the encoder's output",
+                                        FEATURE_NORM_LOST, "docs/recipe.md", "2026-12-07")),
 }
 """Keys that no longer exist: (their old default, the message). A saved config holds every key,
 so a removed key at its old default is dropped quietly; any other value is refused."""

@@ -364,15 +364,13 @@ def tanh_layers(in_dim: int, width: int, count: int) -> nn.Sequential:
 
 class ObsEncoder(nn.Module):
     """Pixels through a CNN, optional proprioceptive state through an MLP, concatenated; then
-    optionally a LayerNorm over the concatenation (model.feature_norm), so that the heads' input
-    keeps one scale however large the value loss drives the features; then ``shared_layers`` tanh
-    layers of ``shared_dim`` (model.shared_layers): a trunk that both the actor's and the
-    critic's losses train, before their own heads."""
+    ``shared_layers`` tanh layers of ``shared_dim`` over the concatenation (model.shared_layers):
+    a trunk that both the actor's and the critic's losses train, before their own heads."""
 
     def __init__(self, pixel_shape: tuple[int, int, int], state_dim: int, feature_dim: int,
                  state_hidden_dim: int, encoder: str = "nature", resize: int = 0,
                  checkpointing: bool = False, shared_layers: int = 0, shared_dim: int = 256,
-                 keypoints: tuple[int, int] = (32, 4), feature_norm: bool = False):
+                 keypoints: tuple[int, int] = (32, 4)):
         super().__init__()
         self.pixels = build_pixel_encoder(encoder, tuple(pixel_shape), feature_dim, resize, checkpointing, keypoints)
         self.out_dim = feature_dim
@@ -380,7 +378,6 @@ class ObsEncoder(nn.Module):
         if state_dim:
             self.state = nn.Sequential(nn.Linear(state_dim, state_hidden_dim), nn.Tanh())
             self.out_dim += state_hidden_dim
-        self.norm = nn.LayerNorm(self.out_dim) if feature_norm else None
         self.shared = None
         if shared_layers:
             self.shared = tanh_layers(self.out_dim, shared_dim, shared_layers)
@@ -394,8 +391,6 @@ class ObsEncoder(nn.Module):
         feats = self.pixels(obs["pixels"])
         if self.state is not None:
             feats = torch.cat([feats, self.state(obs["state"].float()).to(feats.dtype)], dim=-1)
-        if self.norm is not None:
-            feats = self.norm(feats)
         return feats if self.shared is None else self.shared(feats)
 
 

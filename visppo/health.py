@@ -8,8 +8,7 @@ numbers make that visible in ``metrics.csv`` and TensorBoard (``health/...``) in
 post-mortem.
 
 ``health/dead_features``: the fraction of the actor encoder's output units that are the same
-on every sample of the probe batch (a ReLU that never fires), read before model.feature_norm's
-LayerNorm where there is one. ``health/saturated_<part>``: the
+on every sample of the probe batch (a ReLU that never fires). ``health/saturated_<part>``: the
 fraction of tanh outputs with ``|y| > SATURATED`` in the actor head, the critic head, and the
 encoders (shared trunk, state branch, a LayerNorm-tanh projection); NaN where a part has no tanh.
 ``health/mean_out_of_bounds``: for a Gaussian policy over bounded actions, the fraction of the
@@ -66,10 +65,7 @@ def activation_health(policy: ActorCritic, obs: dict[str, torch.Tensor], actions
         return hook
 
     hooks = [m.register_forward_hook(count(name)) for name, m in policy.named_modules() if isinstance(m, nn.Tanh)]
-    if policy.encoder.norm is None:
-        hooks.append(policy.encoder.register_forward_hook(lambda m, i, out: features.append(out.float())))
-    else:  # a ReLU that never fires reads as varying once normalised: count it before the norm
-        hooks.append(policy.encoder.norm.register_forward_hook(lambda m, i, out: features.append(i[0].float())))
+    hooks.append(policy.encoder.register_forward_hook(lambda m, i, out: features.append(out.float())))
     hooks.append(policy.actor.register_forward_hook(lambda m, i, out: means.append(out.float())))
     try:
         policy.score_actions(obs, actions)

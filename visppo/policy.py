@@ -46,7 +46,7 @@ class ActorCritic(nn.Module):
             return ObsEncoder(pixel_shape, state_dim, cfg.feature_dim, cfg.state_hidden_dim, cfg.encoder,
                               resize=cfg.resize, checkpointing=cfg.encoder_checkpointing,
                               shared_layers=cfg.shared_layers, shared_dim=cfg.hidden_dim,
-                              keypoints=(cfg.keypoints, cfg.keypoint_stride), feature_norm=cfg.feature_norm)
+                              keypoints=(cfg.keypoints, cfg.keypoint_stride))
 
         self.encoder = encoder()
         self.critic_encoder = None if cfg.share_encoder else encoder()

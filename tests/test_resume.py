@@ -57,6 +57,10 @@ def test_a_resumed_run_ends_with_the_same_parameters_as_an_uninterrupted_one(tmp
         assert torch.equal(a["model"][key], b["model"][key]), key
     steps = [int(r["global_step"]) for r in csv.DictReader((resumed / "metrics.csv").open())]
     assert steps == [64, 128, 192, 256]
+    # the logged return is a mean over the last 100 episodes: after the cut, over the same ones
+    logged = [[float(r["episode_return"]) for r in csv.DictReader((d / "metrics.csv").open())] for d in (full, resumed)]
+    assert logged[0] == logged[1]
+    assert len(b["recent_episodes"]) == 4 * 64 // 16  # every episode of the run (fewer than 100)
 
 
 SLOW_SAVE = textwrap.dedent("""

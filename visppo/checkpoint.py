@@ -190,11 +190,13 @@ def rank_state(generator: torch.Generator, envs, reward_scale=None) -> dict:
 
 def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler | None, iteration: int, global_step: int,
-                    memory_sizes: dict[str, int], ranks: list[dict]) -> Path:
+                    memory_sizes: dict[str, int], ranks: list[dict], recent: list[dict] | None = None) -> Path:
     """Write ``checkpoints/iter_N.pt`` and ``latest.pt`` atomically; keep the last few numbered ones.
 
     ``ranks``: every process's :func:`rank_state` (one under a single process); rank 0's
-    streams are also saved at the top level, where a single process reads them.
+    streams are also saved at the top level, where a single process reads them. ``recent``: the
+    last finished episodes, whose mean the log reports, so a resumed run's logged return goes on
+    over the same window rather than starting again from the episodes after the cut.
     """
     folder = run_dir / "checkpoints"
     state = {
@@ -206,6 +208,8 @@ def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimiz
         "global_step": global_step,
         **ranks[0],
         "memory_sizes": memory_sizes,
+        "recent_episodes": [{"return": float(e["return"]), "length": int(e["length"]), "success": float(e["success"])}
+                            for e in recent or []],
     }
     if len(ranks) > 1:
         state.update(world_size=len(ranks), ranks=ranks)

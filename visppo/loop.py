@@ -320,7 +320,8 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
                         precision.update, generator, before_step=freeze, across_ranks=ctx.enabled)
     acting = ActingCopy(policy, rollout_device) if rollout_device != device else None
     return Run(cfg, ctx, run_dir, device, rollout_device, precision, envs, policy, optimizer, setup,
-               buffer, state, acting, first_iteration, global_step, reward_scale=reward_scale)
+               buffer, state, acting, first_iteration, global_step, reward_scale=reward_scale,
+               recent=list(resume.get("recent_episodes", [])) if resume is not None else [])  # older: none
 
 
 def open_logs(run: Run, resuming: bool) -> None:
@@ -510,7 +511,7 @@ def save_checkpoint(run: Run, iteration: int) -> None:
     if run.ctx.is_main:
         sizes = {"micro": run.setup.sizes.micro, "chunk": run.setup.sizes.chunk}
         ckpt_io.save_checkpoint(run.dir, run.cfg, run.policy, run.optimizer, run.setup.precision.scaler,
-                                iteration, run.global_step, sizes, ranks)
+                                iteration, run.global_step, sizes, ranks, run.recent)
 
 
 def stop_if_signalled(run: Run, iteration: int) -> None:

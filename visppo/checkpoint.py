@@ -190,7 +190,7 @@ def rank_state(generator: torch.Generator, envs, reward_scale=None) -> dict:
 
 def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler | None, iteration: int, global_step: int,
-                    memory_sizes: dict[str, int], ranks: list[dict], recent: list[dict] | None = None) -> Path:
+                    memory_sizes: dict[str, int], ranks: list[dict], recent: list[dict]) -> Path:
     """Write ``checkpoints/iter_N.pt`` and ``latest.pt`` atomically; keep the last few numbered ones.
 
     ``ranks``: every process's :func:`rank_state` (one under a single process); rank 0's
@@ -208,8 +208,7 @@ def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimiz
         "global_step": global_step,
         **ranks[0],
         "memory_sizes": memory_sizes,
-        "recent_episodes": [{"return": float(e["return"]), "length": int(e["length"]), "success": float(e["success"])}
-                            for e in recent or []],
+        "recent_episodes": list(recent),  # plain floats and ints (rollout.collect): weights_only loads them
     }
     if len(ranks) > 1:
         state.update(world_size=len(ranks), ranks=ranks)

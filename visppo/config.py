@@ -377,7 +377,6 @@ SHIFTS_LOST = "random shifts in every loss lost on two of three dev tasks"
 NORM_VALUE_LOST = "raw value targets won the dev set over two seeds"
 NORM_VALUE_REMOVED = ("2026-12-06", "docs/recipe.md")
 """When model.norm_value was removed, and where the evidence is."""
-FEATURE_NORM_LOST = "it did not beat arm E on the dev set"
 
 
 REMOVED = {
@@ -405,7 +404,7 @@ REMOVED = {
     "model.norm_value": (False, _lost("model.norm_value", "the critic's standardised value targets",
                                       NORM_VALUE_LOST, NORM_VALUE_REMOVED[1], NORM_VALUE_REMOVED[0])),
     "model.feature_norm": (False, _lost("model.feature_norm", "the LayerNorm over the encoder's output",
-                                        FEATURE_NORM_LOST, "docs/recipe.md", "2026-12-07")),
+                                        "it did not beat arm E on the dev set", "docs/recipe.md", "2026-12-07")),
 }
 """Keys that no longer exist: (their old default, the message). A saved config holds every key,
 so a removed key at its old default is dropped quietly; any other value is refused."""

@@ -307,6 +307,46 @@ def test_item17_a_sigterm_while_the_run_starts_stops_it_at_once(tmp_path, capsys
     assert signal.getsignal(signal.SIGTERM) is before, "the handlers are given back"
 
 
+@pytest.mark.parametrize("where", ["check", "vector"])
+def test_item17_a_sigterm_inside_an_env_call_while_the_run_starts_is_a_stop_not_an_env_defect(
+        where, tmp_path, capsys, monkeypatch):
+    """The signal arrives while the start check's env resets, or while the run's envs first reset:
+    the env did nothing wrong, so no 'error: env ...' line and no exit 1 or 2."""
+    import os
+    import signal
+
+    import gymnasium as gym
+
+    import visppo.loop as train_module
+
+    def sigterm(reset):
+        def reset_then_signal(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return reset(*args, **kwargs)
+        return reset_then_signal
+
+    if where == "check":
+        real_make = train_module.make_env
+
+        class SignalOnReset(gym.Wrapper):
+            def reset(self, **kwargs):
+                return sigterm(self.env.reset)(**kwargs)
+
+        monkeypatch.setattr(train_module, "make_env", lambda cfg, *a: SignalOnReset(real_make(cfg, *a)))
+    else:
+        real_make_vector = train_module.make_vector_env
+
+        def make_vector(cfg):
+            envs = real_make_vector(cfg)
+            envs.reset = sigterm(envs.reset)
+            return envs
+
+        monkeypatch.setattr(train_module, "make_vector_env", make_vector)
+    code, err = run_main(capsys, "train", *tiny_overrides(tmp_path))
+    assert (code, err.strip()) == (143, "visppo: stopped by SIGTERM before the first iteration; no checkpoint was due")
+    assert not (tmp_path / "run").exists()
+
+
 # --------------------------------------------------------------------------- fuzz
 
 

@@ -24,6 +24,7 @@ def test_what_each_error_is():
     assert issubclass(RunError, RuntimeError) and not issubclass(RunError, UserError)
     stopped = Stopped("stopped by SIGTERM", 15)
     assert stopped.signum == 15 and str(stopped) == "stopped by SIGTERM"
+    assert not issubclass(Stopped, Exception), "an env's or import's `except Exception` would report the signal"
 
 
 def _uses_of_the_re_export(path: Path) -> list[str]:

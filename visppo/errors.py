@@ -25,9 +25,13 @@ class EnvError(RunError):
     died): the message names the env; the training loop adds what the run kept on disk."""
 
 
-class Stopped(Exception):
+class Stopped(BaseException):
     """A run stopped by SIGINT / SIGTERM once its final checkpoint is written: the CLI prints the
-    message (where the checkpoint is, how to resume) and exits 128 + the signal (130, 143)."""
+    message (where the checkpoint is, how to resume) and exits 128 + the signal (130, 143).
+
+    A BaseException, as KeyboardInterrupt is: a signal can land inside any call (an env's reset, a
+    module's import), and the ``except Exception`` that reports that call's own failures must not
+    report the signal as one."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)

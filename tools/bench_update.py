@@ -1,6 +1,6 @@
 """Speed and peak memory of one PPO update epoch, per micro-batch size and precision.
 
-    python tools/bench_update.py                                   # default task, 64x64
+    python tools/bench_update.py                                   # default task, 84x84
     python tools/bench_update.py env.image_size=84 env.frame_stack=3
     python tools/bench_update.py configs/dot_reach.yaml --micro 32,0 --amp off --json out.json
 

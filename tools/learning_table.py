@@ -3,7 +3,7 @@
     python tools/learning_table.py run configs/dmc_*.yaml --seeds 1 2 3 --out runs/table \\
         [--parallel 2] [--eval-episodes 10] [key=value ...]
     python tools/learning_table.py table runs/table [--at 100k 250k 500k] [--markdown F] [--plot F]
-        [--column eval/return] [--per-seed] [--reps 50000]
+        [--column episode_return] [--per-seed] [--reps 50000]
     python tools/learning_table.py table runs/abl/base runs/abl/norm_reward --at 100k --plot F
 
 ``run`` trains every config with every seed (``train.seed=S``, ``train.threads=1``, at most

@@ -3,7 +3,7 @@
     pip install stable-baselines3   # for this script only; visppo does not need it
     python tools/speed_vs_sb3.py [--device cpu|cuda|auto] [--num-envs 8] [--steps-per-env 256]
         [--minibatch 64] [--epochs 4] [--iterations 5] [--repeats 3] [--threads 0] [--seed 1]
-        [--config configs/reacher_pixels.yaml] [--visppo KEY=VALUE ...] [--json FILE]
+        [--config configs/reacher_pixels.yaml] [--visppo KEY=VALUE]... [--json FILE]
 
 Both learners train on pixel Reacher-v5 (84x84 RGB frames, 3 stacked, the same
 renderer settings: the config's ``env.render_samples``) with the Nature CNN

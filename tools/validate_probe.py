@@ -2,7 +2,7 @@
 
     python tools/validate_probe.py --device cpu --json probe_cpu.json     # oracle: torch.profiler
     python tools/validate_probe.py --device cuda --json probe_gpu.json    # real GPU: allocator + driver
-    python tools/validate_probe.py --device cpu --quick                   # the small grid of the tests
+    python tools/validate_probe.py --device cpu --quick                   # a small grid: seconds
 
 Every row is one config (encoder, image size, AMP) and one size: a micro-batch
 (``kind=micro_batch``) or an inference chunk (``kind=infer_chunk``). The
@@ -68,7 +68,7 @@ FULL_GRID = [
     ("mobilenet_v3_small", 64, (32,), (128,)),
     ("mobilenet_v3_small", 96, (16,), (64,)),
 ]
-QUICK_GRID = [  # the default test run's share: seconds, not minutes
+QUICK_GRID = [  # --quick: seconds, not minutes (the tests pick their own rows)
     ("nature", 64, (16,), (64,)),
     ("mobilenet_v3_small", 48, (8,), ()),
     ("resnet18", 32, (4,), ()),

@@ -1,4 +1,5 @@
-"""The table under docs/memory.md's "Will it fit on an 8 GiB GPU? Estimates": peak GPU memory of the update, from the probe (fake mode).
+"""Peak GPU memory of the update, from the probe (fake mode): the table under docs/memory.md's
+"Will it fit on an 8 GiB GPU? Estimates".
 
     python tools/fit_table.py [--budget 8GiB] [--rows nature:84,resnet18:128] [--amp off,bf16]
 

@@ -196,3 +196,12 @@ def test_merge_moments_equals_the_moments_of_both_samples_together():
     count, mean, var = merge_moments(count, mean, var, 2, b.mean().item(), b.var(unbiased=False).item())
     assert (count, mean, var) == (5, pytest.approx(both.mean().item()), pytest.approx(both.var(unbiased=False).item()))
     assert merge_moments(4, 1.0, 2.0, 0, 0.0, 0.0) == (4, 1.0, 2.0)
+
+
+def test_gae_takes_a_host_last_value_beside_a_buffer_on_another_device():
+    """infer() returns host tensors while ``memory.buffer_device=device`` keeps the buffer on the
+    GPU: the bootstrap value must follow the buffer (the meta device stands in for CUDA here)."""
+    meta = lambda x: torch.tensor(x, dtype=torch.float32).view(-1, 1).to("meta")  # noqa: E731
+    adv, ret = compute_gae(meta([1, 1]), meta([1, 2]), torch.tensor([4.0]), meta([0, 0]).bool(),
+                           meta([0, 1]).bool(), meta([0, 5]), 0.9, 0.8)
+    assert adv.device.type == ret.device.type == "meta" and adv.shape == (2, 1)

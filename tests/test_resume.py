@@ -138,3 +138,19 @@ def test_sigkill_while_a_checkpoint_is_being_written_then_resume(tmp_path):
     assert load(run_dir / "checkpoints" / "latest.pt")["iteration"] == 2  # the old one, complete
     assert list((run_dir / "checkpoints").glob(".*.tmp")), "the kill hit the write"
     _resume_and_check(run_dir, 320)
+
+
+def test_a_resumed_run_starts_its_episodes_discounted_returns_from_zero(tmp_path):
+    """A resume starts new episodes in every env, so ``ppo.norm_reward``'s running discounted
+    returns start from 0 (as after any episode's end); its mean and variance are restored."""
+    from visppo.loop import start_run
+
+    cut = {"ppo.norm_reward": "true", "run.checkpoint_every": 1, "env.max_episode_steps": 50,
+           "ppo.total_steps": 64}  # one rollout of 32 steps: the cut falls inside every env's episode
+    train(load_config(None, tiny_overrides(tmp_path, **cut)))
+    cfg, ckpt = load_for_resume(tmp_path / "run", ["ppo.total_steps=128"])
+    assert ckpt["reward_scale"]["running"].abs().sum() > 0  # the cut episodes' partial returns
+    with start_run(cfg, ckpt) as run:
+        assert torch.all(run.reward_scale.running == 0)
+        assert run.reward_scale.count == ckpt["reward_scale"]["count"]
+        assert run.reward_scale.var == ckpt["reward_scale"]["var"]

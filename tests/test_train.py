@@ -226,3 +226,33 @@ def test_a_flat_critic_is_reported_once_after_20_iterations_in_a_row():
     assert len(said) == 1 and said[0].startswith("warning: ") and "ppo.norm_reward=true" in said[0]
 
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recompute", ["false", "true"])
+def test_a_rollout_buffer_on_the_gpu_trains(tmp_path, recompute):
+    """``memory.buffer_device=device``: bootstrap values (host tensors from the chunked passes)
+    meet a buffer on the GPU in collection, GAE and recomputed advantages; episodes of 8 steps
+    put time-limit truncations in every rollout."""
+    cfg = load_config(None, tiny_overrides(tmp_path, **{
+        "train.device": "cuda", "memory.buffer_device": "device", "env.max_episode_steps": 8,
+        "ppo.recompute_advantages": recompute}))
+    assert (train(cfg) / "checkpoints" / "latest.pt").is_file()
+
+
+def test_fp16_calibration_skips_are_not_counted_as_divergence_in_an_update_without_a_good_step():
+    """The scaler's inf-gradient skips (not in ``trailing_skips``) count toward
+    ``train.max_bad_steps`` neither after a good step nor in an update that had none."""
+    from types import SimpleNamespace
+
+    from visppo.loop import check_divergence
+    from visppo.ppo import UpdateResult
+
+    run = SimpleNamespace(bad_in_a_row=0, cfg=SimpleNamespace(train=SimpleNamespace(max_bad_steps=10)))
+    calibrating = UpdateResult(optimizer_steps=0, skipped_steps=4, trailing_skips=0)
+    for _ in range(3):
+        check_divergence(run, calibrating)
+    assert run.bad_in_a_row == 0
+    check_divergence(run, UpdateResult(optimizer_steps=0, skipped_steps=4, trailing_skips=3))
+    check_divergence(run, UpdateResult(optimizer_steps=0, skipped_steps=4, trailing_skips=4))
+    assert run.bad_in_a_row == 7  # non-finite losses: counted across updates

@@ -29,12 +29,15 @@
 #               what it allocated closely enough for the probe to model it (EXPANDABLE_TIMEOUT, 240 s)
 #   speed       tools/speed_vs_sb3.py --device cuda --json $OUT/speed_vs_sb3_cuda.json (visppo vs SB3,
 #               end to end, interleaved, and visppo bench's placement; its JSON also after every repeat)
+#   cudatests   (only when STEPS names it) the tests that skip without CUDA, on CUDA: pytest -k
+#               "cuda or gpu" over the test files that have them (CUDATESTS_TIMEOUT, 90 s)
 #   nvidia_smi, pip_list    snapshots
 #
 # The limits add up to under the 10 minutes of one command (about 9 at most):
 # SETUP_TIMEOUT (90 s), PROBE_TIMEOUT (240 s), SPEED_TIMEOUT (180 s); SPEED_ARGS changes the
 # speed script's sizes. STEPS (default "probe speed") picks the steps, so that a session can give
-# each its own call, e.g. STEPS=probe PROBE_TIMEOUT=420, then STEPS="expandable speed".
+# each its own call, e.g. STEPS=probe PROBE_TIMEOUT=420, then STEPS="expandable speed", and
+# STEPS="cudatests expandable" after the default call.
 # Two steps to a call: at most 7 files land in $OUT (the device tool brings back 8).
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -46,7 +49,8 @@ if [ "${1:-}" = "prepare" ]; then  # HERE, not on the GPU machine
     pins=$($PY - <<'EOF'
 import importlib.metadata as m
 names = ["gymnasium", "farama-notifications", "mujoco", "glfw", "pyopengl", "omegaconf",
-         "antlr4-python3-runtime", "stable-baselines3"]
+         "antlr4-python3-runtime", "stable-baselines3", "pytest", "pluggy", "iniconfig",
+         "packaging", "pygments", "pytest-timeout"]
 print(" ".join(f"{n}=={m.version(n)}" for n in names))
 EOF
 )
@@ -142,6 +146,11 @@ case " $STEPS " in *" speed "*)
     # shellcheck disable=SC2086
     step speed "${SPEED_TIMEOUT:-180}" $PY tools/speed_vs_sb3.py --device cuda ${SPEED_ARGS:---iterations 4 --repeats 3} \
         --json "$OUT/speed_vs_sb3_cuda.json" ;;
+esac
+case " $STEPS " in *" cudatests "*)  # -o addopts=: not the project's "-n 2" (xdist is not carried)
+    step cudatests "${CUDATESTS_TIMEOUT:-90}" $PY -m pytest -q -rs -p no:cacheprovider -o addopts= \
+        -m "not slow" -k "cuda or gpu" tests/test_buffer.py tests/test_memory.py tests/test_ppo.py \
+        tests/test_train.py ;;
 esac
 step nvidia_smi 20 nvidia-smi
 step pip_list 30 $PY -m pip list

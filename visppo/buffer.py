@@ -31,6 +31,7 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, last_value: torch.T
     Returns ``(advantages, returns)`` with ``returns = advantages + values``.
     """
     T = rewards.shape[0]
+    last_value = last_value.to(values.device)  # infer() returns host tensors; the buffer may be on a GPU
     terminated = terminated.to(values.dtype)
     truncated = truncated.to(values.dtype)
     ended = torch.clamp(terminated + truncated, max=1.0)

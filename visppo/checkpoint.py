@@ -180,7 +180,8 @@ RESUMABLE = ("ppo.total_steps", "run.progress", "run.tensorboard", "run.log_ever
 
 def rank_state(generator: torch.Generator, envs, reward_scale=None) -> dict:
     """The states a process's own streams need to resume: RNGs, minibatch order, env episode
-    counters, and with ``ppo.norm_reward`` the return statistics (its envs' running returns)."""
+    counters, and with ``ppo.norm_reward`` the return statistics (a resumed run's envs start new
+    episodes, so their running returns start again from 0)."""
     state = {"rng": rng_state(), "minibatch_generator": generator.get_state(),
              "env_episodes": [int(e) for e in envs.get_attr("episode")]}
     if reward_scale is not None:

@@ -312,6 +312,8 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
                            device=device if on_device else "cpu", channels_last=precision.channels_last)
     state = RolloutState.start(envs, seed=[seeding.env_seed(cfg.train.seed, ctx.rank, i)  # never another run's
                                            for i in range(cfg.ppo.num_envs)])
+    if reward_scale is not None:  # every env starts a new episode here, a resumed run's too:
+        reward_scale.running.zero_()  # no discounted return carries over from the cut one
     if ctx.rank:  # its own action noise; rank 0 keeps a single process's streams
         seed_everything(seed, cfg.train.deterministic, device)
     if resume is not None:
@@ -471,8 +473,8 @@ def health_scalars(run: Run) -> dict[str, float]:
 
 def check_divergence(run: Run, result: UpdateResult) -> None:
     """Stop the run after ``train.max_bad_steps`` non-finite optimizer steps in a row."""
-    run.bad_in_a_row = (result.trailing_skips if result.optimizer_steps
-                        else run.bad_in_a_row + result.skipped_steps)
+    run.bad_in_a_row = (result.trailing_skips if result.optimizer_steps  # fp16's calibration skips
+                        else run.bad_in_a_row + result.trailing_skips)  # are not counted in either
     if run.bad_in_a_row >= run.cfg.train.max_bad_steps:
         latest = run.dir / "checkpoints" / "latest.pt"
         kept = (f"the last good checkpoint is {latest}" if latest.is_file()

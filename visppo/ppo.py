@@ -144,7 +144,7 @@ def recompute_advantages(policy: ActorCritic, buffer: RolloutBuffer, setup: Upda
     index, final_obs = buffer.truncated_final_obs()
     if len(index):
         final_values, _ = infer(policy, final_obs, None, setup.sizes, setup.device, setup.precision)
-        buffer.flat(buffer.final_values)[index] = final_values
+        buffer.flat(buffer.final_values)[index] = final_values.to(buffer.final_values.device)
     last_value, _ = infer(policy, buffer.last_obs, None, setup.sizes, setup.device, setup.precision)
     buffer.advantages[:], buffer.returns[:] = compute_gae(
         buffer.rewards, buffer.values, last_value, buffer.terminated, buffer.truncated,

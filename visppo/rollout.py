@@ -114,7 +114,8 @@ def collect(envs: gym.vector.VectorEnv, policy: ActorCritic, buffer: RolloutBuff
         if bootstrap.size:
             final = {k: torch.from_numpy(v) for k, v in _stack_final(info["final_obs"], bootstrap).items()}
             with torch.inference_mode(), autocast:
-                buffer.final_values[t, torch.as_tensor(bootstrap)] = policy.value(to_torch(final, device)).float().cpu()
+                final_value = policy.value(to_torch(final, device)).float()
+                buffer.final_values[t, torch.as_tensor(bootstrap)] = final_value.to(buffer.final_values.device)
             buffer.truncations.append((torch.as_tensor(t * buffer.N + bootstrap), final))
         episodes += _ended_episodes(state, reward, terminated | truncated, info, env_id)
         state.obs = obs

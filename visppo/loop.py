@@ -473,8 +473,8 @@ def health_scalars(run: Run) -> dict[str, float]:
 
 def check_divergence(run: Run, result: UpdateResult) -> None:
     """Stop the run after ``train.max_bad_steps`` non-finite optimizer steps in a row."""
-    run.bad_in_a_row = (result.trailing_skips if result.optimizer_steps  # fp16's calibration skips
-                        else run.bad_in_a_row + result.trailing_skips)  # are not counted in either
+    carried = 0 if result.optimizer_steps else run.bad_in_a_row  # a good step ends the streak
+    run.bad_in_a_row = carried + result.trailing_skips  # fp16's calibration skips are not in it
     if run.bad_in_a_row >= run.cfg.train.max_bad_steps:
         latest = run.dir / "checkpoints" / "latest.pt"
         kept = (f"the last good checkpoint is {latest}" if latest.is_file()

@@ -49,6 +49,15 @@ def test_gae_truncation_bootstraps_final_observation_value():
     assert adv.view(-1).tolist() == pytest.approx([a0, a1, a2], rel=1e-6)
 
 
+def test_gae_a_step_both_terminated_and_truncated_is_a_termination():
+    """A time limit that falls on the terminal step (gymnasium reports both): no bootstrap, one cut."""
+    adv, _ = _gae([1, 1, 1], [1, 2, 3], 4.0, [0, 1, 0], [0, 1, 0], [0, 99, 0])
+    a2 = 1 + 0.9 * 4 - 3
+    a1 = 1 + 0.0 - 2              # as the termination-only case: the trace is cut once, not flipped
+    a0 = (1 + 0.9 * 2 - 1) + 0.72 * a1
+    assert adv.view(-1).tolist() == pytest.approx([a0, a1, a2], rel=1e-6)
+
+
 def test_gae_last_step_truncated_uses_final_value_not_last_value():
     adv, _ = _gae([0, 0], [0, 0], 100.0, [0, 0], [0, 1], [0, 2])
     assert adv.view(-1).tolist() == pytest.approx([0.72 * 1.8, 1.8], rel=1e-6)
@@ -139,6 +148,13 @@ def test_pinned_buffer_gathers_through_staging_to_cuda(channels_last):
         out = buf.gather(torch.tensor([7, 1, 3]), torch.device("cuda"))
         assert out["returns"].device.type == "cuda"
         assert out["returns"].cpu().tolist() == [7.0, 1.0, 3.0]
+    # back to back with no host sync between: a staging set reused before its copy landed would
+    # hand the first gather the third one's samples
+    indices = [[7, 1, 3], [0, 2, 4], [6, 5, 1]]
+    outs = [buf.gather(torch.tensor(i), torch.device("cuda")) for i in indices]
+    for i, out in zip(indices, outs, strict=True):
+        assert out["returns"].cpu().tolist() == [float(j) for j in i]
+        assert out["obs.pixels"][:, 0, 0, 0].cpu().tolist() == i
         assert out["obs.pixels"].dtype == torch.uint8
         assert out["obs.pixels"].cpu()[:, 0, 0, 0].tolist() == [7, 1, 3]
         assert out["obs.pixels"].is_contiguous(memory_format=torch.channels_last) == channels_last

@@ -5,7 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from visppo.checkpoint import CheckpointError, atomic_save, load, rng_state, set_rng_state
+from visppo.checkpoint import (
+    CheckpointError,
+    atomic_save,
+    load,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from visppo.config import load_config
 
 
 def test_atomic_save_round_trips_and_leaves_no_temp_file(tmp_path):
@@ -73,3 +81,42 @@ def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
     torch.manual_seed(9)
     set_rng_state(load(path)["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def _save(run_dir, iteration, keep):
+    cfg = load_config(None, ["env.id=visppo/DotReach-v0", f"run.keep_checkpoints={keep}"])
+    policy = torch.nn.Linear(2, 1)
+    save_checkpoint(run_dir, cfg, policy, torch.optim.SGD(policy.parameters(), lr=0.1), None, iteration,
+                    64 * iteration, {}, [{}], [])
+
+
+def _numbered(run_dir):
+    return [int(p.stem[5:]) for p in sorted((run_dir / "checkpoints").glob("iter_*.pt"))]
+
+
+def test_checkpoints_keep_the_last_few_numbered_ones_and_latest_is_the_newest(tmp_path):
+    for iteration in range(1, 6):
+        _save(tmp_path, iteration, keep=3)
+    assert _numbered(tmp_path) == [3, 4, 5]
+    assert load(tmp_path / "checkpoints" / "latest.pt")["iteration"] == 5
+
+
+def test_a_branch_resumed_from_an_older_checkpoint_keeps_its_own_newest_ones(tmp_path):
+    """Resumed from iter 4 of a run that reached 8, the new branch's last three stay; 8 is left alone."""
+    for iteration in (2, 4, 6, 8):
+        _save(tmp_path, iteration, keep=3)
+    assert _numbered(tmp_path) == [4, 6, 8]
+    for iteration in (5, 6, 7):  # the resumed branch, checkpointing every iteration
+        _save(tmp_path, iteration, keep=3)
+    assert _numbered(tmp_path) == [5, 6, 7, 8]
+    assert load(tmp_path / "checkpoints" / "latest.pt")["iteration"] == 7
+
+
+def test_latest_is_written_before_the_numbered_checkpoint(tmp_path, monkeypatch):
+    """A kill between the two saves must leave latest.pt the newest checkpoint, not one interval behind."""
+    import visppo.checkpoint as checkpoint
+
+    written, real = [], checkpoint.atomic_save
+    monkeypatch.setattr(checkpoint, "atomic_save", lambda state, path: (written.append(path.name), real(state, path)))
+    _save(tmp_path, 1, keep=3)
+    assert written == ["latest.pt", "iter_000001.pt"]

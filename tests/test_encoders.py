@@ -1,5 +1,6 @@
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from visppo import encoders
 from visppo.encoders import DrQCNN, ImpalaCNN, NatureCNN, ObsEncoder
@@ -166,7 +167,9 @@ def test_torchvision_channels_last_gives_the_same_features():
 
 
 @pytest.mark.parametrize("name", ["impala", "resnet18", "mobilenet_v3_small"])
-def test_checkpointing_gives_the_same_gradients(name):
+def test_checkpointing_gives_the_same_gradients(name, monkeypatch):
+    calls = []
+    monkeypatch.setattr(encoders, "checkpoint", lambda *a, **k: (calls.append(1), checkpoint(*a, **k))[1])
     torch.manual_seed(0)
     enc = ObsEncoder((6, 32, 32), 0, 16, 8, encoder=name)
     obs = {"pixels": _frames(3, 6)}
@@ -174,7 +177,9 @@ def test_checkpointing_gives_the_same_gradients(name):
     for ckpt in (False, True):
         enc.pixels.checkpointing = ckpt
         enc.zero_grad(set_to_none=True)
+        calls.clear()
         enc(obs).pow(2).sum().backward()
+        assert (len(calls) > 1) == ckpt  # on: every stage through torch.utils.checkpoint; off: none
         grads.append([p.grad.clone() for p in enc.parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

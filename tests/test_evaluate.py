@@ -71,6 +71,26 @@ def test_evaluation_is_repeatable(run_dir):
     assert s1["deterministic"] is False and a["deterministic"] is True
 
 
+def test_evaluation_episodes_are_reset_with_evaluation_stream_seeds(run_dir, monkeypatch):
+    """Episode i of evaluation seed s starts from episode_seed(s, i, EVAL): never a training episode."""
+    import visppo.evaluate as evaluate_module
+    from visppo import seeding
+
+    seeds, real = [], evaluate_module.make_env
+
+    def recording_make_env(cfg, *args):
+        env = real(cfg, *args)
+        inner = env.env  # below SeededEpisodes: the seeds the task itself is reset with
+        reset = inner.reset
+        inner.reset = lambda *, seed=None, options=None: (seeds.append(seed), reset(seed=seed, options=options))[1]
+        return env
+
+    monkeypatch.setattr(evaluate_module, "make_env", recording_make_env)
+    evaluate(run_dir, episodes=3, deterministic=True, seed=5)
+    assert seeds == [seeding.episode_seed(5, i, seeding.EVAL) for i in range(3)]
+    assert {seeding.stream_of(s) for s in seeds} == {seeding.EVAL}
+
+
 def test_video_mp4_frames_and_size(run_dir, tmp_path):
     video = tmp_path / "videos" / "eval.mp4"
     result = evaluate(run_dir, episodes=2, deterministic=True, video=video)

@@ -241,12 +241,18 @@ def _assert_same_grads(a, b, rtol=1e-5, atol=1e-6):
         torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=name)
 
 
-def test_checkpointing_gives_the_same_gradients_in_theupdate_with():
+def test_checkpointing_gives_the_same_gradients_in_the_update(monkeypatch):
+    import visppo.encoders as encoders
+
+    real, calls = encoders.checkpoint, []
+    monkeypatch.setattr(encoders, "checkpoint", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     mb = torch.arange(4)
     grads = []
     for checkpointing in (False, True):
         policy, buf = _setup("resnet18", 32, c=6, T=2, N=2, encoder_checkpointing=checkpointing)
+        calls.clear()
         grads.append(_grads(policy, buf, mb, 4, PPOConfig(entropy_coef=0.01))[0])
+        assert (len(calls) > 1) == checkpointing  # the config reaches the encoder
     _assert_same_grads(*grads)
 
 

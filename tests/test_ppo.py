@@ -66,14 +66,30 @@ def _grads(policy, buf, mb, micro, cfg):
     return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, stats
 
 
+def _reference_grads(policy, buf, mb, cfg):
+    """The minibatch's gradient written out directly: one forward over all of it, the mean loss."""
+    policy.zero_grad(set_to_none=True)
+    adv = buf.flat(buf.advantages)[mb]
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    obs = {k: buf.flat(v)[mb] for k, v in buf.obs.items()}
+    new_logp, entropy, new_values = policy.score_actions(obs, buf.flat(buf.actions)[mb])
+    loss, stats = ppo_loss(new_logp, buf.flat(buf.logp)[mb], adv, new_values, buf.flat(buf.values)[mb],
+                           buf.flat(buf.returns)[mb], entropy, cfg.clip_coef, cfg.clip_value,
+                           cfg.value_coef, cfg.entropy_coef)
+    loss.mean().backward()
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    return grads, {k: v.mean() for k, v in stats.items()}
+
+
 @pytest.mark.parametrize("micro", [1, 4, 5, 7, 20])
 @pytest.mark.parametrize("discrete,share,encoder", [
     (False, True, "nature"), (True, False, "nature"), (False, True, "spatial_softmax")])
 def test_accumulated_gradient_equals_full_minibatch_gradient(micro, discrete, share, encoder):
     policy, buf = _setup(discrete=discrete, share=share, encoder=encoder)
-    cfg = PPOConfig(clip_value=True, entropy_coef=0.01)
+    cfg = PPOConfig(clip_value=True, entropy_coef=0.01, clip_coef=0.05)  # a tight clip: both branches taken
     mb = torch.randperm(buf.size, generator=torch.Generator().manual_seed(1))[:20]
-    full, full_stats = _grads(policy, buf, mb, 20, cfg)
+    full, full_stats = _reference_grads(policy, buf, mb, cfg)
+    assert 0 < float(full_stats["clip_frac"]) < 1
     acc, acc_stats = _grads(policy, buf, mb, micro, cfg)
     assert full.keys() == acc.keys() and len(full) > 4
     for name in full:
@@ -119,7 +135,7 @@ def test_update_steps_once_per_minibatch_and_changes_parameters():
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
 
-def test_a_channels_last_buffer_gives_the_sameupdate_with():
+def test_a_channels_last_buffer_gives_the_same_update():
     """Only where the frames sit in memory changes: a channels_last model sees the same input."""
     policy, buf = _setup()
     policy = policy.to(memory_format=torch.channels_last)
@@ -170,7 +186,7 @@ class _OOMAbove:
         return self.policy.score_actions(obs, actions)
 
 
-def test_oom_in_the_update_halves_the_micro_batch_and_gives_the_sameupdate_with():
+def test_oom_in_the_update_halves_the_micro_batch_and_gives_the_same_update():
     from visppo.ppo import MemorySizes
 
     policy, buf = _setup()
@@ -274,3 +290,55 @@ def test_an_oom_on_another_rank_backs_off_every_rank_together(monkeypatch):
         res = update_with(policy, opt, buf, PPOConfig(num_epochs=1, minibatch_size=24), sizes, None,
                           torch.Generator().manual_seed(0), across_ranks=True)
     assert sizes.micro == 12 and calls == [False, False] and res.optimizer_steps == 1
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_compute_values_rescores_logp_old_only_when_asked(recompute):
+    from visppo.ppo import compute_values
+
+    policy, buf = _setup()
+    buf.logp.fill_(7.0)  # not what any policy gives: only a recomputation replaces it
+    buf.last_obs = {k: v[-buf.N:].clone() for k, v in buf.flat_obs().items()}
+    last = compute_values(policy, buf, setup_of(PPOConfig(), 8, 5), recompute_logp_old=recompute)
+    with torch.no_grad():
+        logp, _, _ = policy.score_actions(buf.flat_obs(), buf.flat(buf.actions))
+        torch.testing.assert_close(last, policy.value(buf.last_obs))
+    if recompute:
+        torch.testing.assert_close(buf.flat(buf.logp), logp)
+    else:
+        assert bool((buf.logp == 7.0).all())
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_update_recomputes_advantages_before_every_epoch_but_the_first(recompute, monkeypatch):
+    import visppo.ppo as ppo
+
+    policy, buf = _setup()
+    buf.last_obs = {k: v[-buf.N:].clone() for k, v in buf.flat_obs().items()}
+    calls = []
+    real = ppo.recompute_advantages
+    monkeypatch.setattr(ppo, "recompute_advantages", lambda *a: (calls.append(1), real(*a)))
+    cfg = PPOConfig(num_epochs=3, minibatch_size=12, recompute_advantages=recompute)
+    update_with(policy, torch.optim.Adam(policy.parameters(), lr=1e-3), buf, cfg, 8, 8,
+                torch.Generator().manual_seed(0))
+    assert len(calls) == (2 if recompute else 0)
+
+
+@pytest.mark.parametrize("factor,steps", [(1.2, True), (1.6, False)])
+def test_target_kl_stops_above_one_and_a_half_times_the_target(factor, steps):
+    """SB3's rule: a minibatch whose approx-KL is between the target and 1.5x it still steps."""
+    from visppo.buffer import minibatches
+
+    policy, buf = _setup()
+    buf.logp.add_(0.3)  # a stale policy: a clear KL on the first minibatch
+    first = minibatches(buf.size, 8, torch.Generator().manual_seed(0))[0]
+    adv = buf.flat(buf.advantages)[first]
+    kl = float(minibatch_gradient(policy, buf, first, (adv - adv.mean()) / (adv.std() + 1e-8),
+                                  setup_of(PPOConfig(), 8))["approx_kl"])
+    assert kl > 0.01
+    res = update_with(policy, torch.optim.SGD(policy.parameters(), lr=1e-3), buf,
+                      PPOConfig(num_epochs=1, minibatch_size=8, target_kl=kl / factor), 8, 8,
+                      torch.Generator().manual_seed(0))
+    assert (res.optimizer_steps >= 1) == steps
+    if not steps:
+        assert res.stop_kl == pytest.approx(kl, rel=1e-5)

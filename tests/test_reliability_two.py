@@ -214,6 +214,34 @@ def test_item7_config_yaml_says_the_resumed_total_steps(run_copy, capsys):
     assert load_config(run_copy / "config.yaml").ppo.total_steps == 192
 
 
+def _edit_config(run_dir, section, key, value):
+    import yaml
+
+    path = run_dir / "config.yaml"
+    data = yaml.safe_load(path.read_text())
+    data[section][key] = value
+    path.write_text(yaml.safe_dump(data))
+    return path.read_bytes()
+
+
+def test_item7_an_edited_config_yaml_is_named_with_the_value_to_set_back(run_copy, capsys):
+    before = _edit_config(run_copy, "ppo", "learning_rate", 0.125)
+    code, err = run_main(capsys, "train", "--resume", run_copy, "ppo.total_steps=256")
+    assert code == 2
+    one_error_line(err, "ppo.learning_rate=", "set ppo.learning_rate back to", "if it was edited")
+    assert (run_copy / "config.yaml").read_bytes() == before  # nothing written over the edit
+
+
+def test_item7_a_resumable_key_edited_in_config_yaml_asks_for_an_override(run_copy, capsys):
+    before = _edit_config(run_copy, "ppo", "total_steps", 256)
+    code, err = run_main(capsys, "train", "--resume", run_copy)
+    assert code == 2
+    one_error_line(err, "says ppo.total_steps=256 but the checkpoint has 128", "ppo.total_steps=256")
+    assert (run_copy / "config.yaml").read_bytes() == before
+    code, err = run_main(capsys, "train", "--resume", run_copy, "ppo.total_steps=256")  # as it says
+    assert code == 0, err
+
+
 # --------------------------------------------------------------------------- commands
 
 

@@ -234,10 +234,14 @@ def test_a_rollout_buffer_on_the_gpu_trains(tmp_path, recompute):
     """``memory.buffer_device=device``: bootstrap values (host tensors from the chunked passes)
     meet a buffer on the GPU in collection, GAE and recomputed advantages; episodes of 8 steps
     put time-limit truncations in every rollout."""
-    cfg = load_config(None, tiny_overrides(tmp_path, **{
-        "train.device": "cuda", "memory.buffer_device": "device", "env.max_episode_steps": 8,
-        "ppo.recompute_advantages": recompute}))
-    assert (train(cfg) / "checkpoints" / "latest.pt").is_file()
+    params = {}
+    for place in ("device", "cpu"):  # the buffer's place is a memory knob: the same parameters
+        cfg = load_config(None, tiny_overrides(tmp_path / place, **{
+            "train.device": "cuda", "memory.buffer_device": place, "env.max_episode_steps": 8,
+            "ppo.recompute_advantages": recompute, "train.deterministic": "true"}))
+        params[place] = torch.load(train(cfg) / "checkpoints" / "latest.pt", weights_only=True)["model"]
+    for key, value in params["cpu"].items():
+        torch.testing.assert_close(params["device"][key], value, rtol=1e-4, atol=1e-6, msg=key)
 
 
 def test_fp16_calibration_skips_are_not_counted_as_divergence_in_an_update_without_a_good_step():
@@ -256,3 +260,36 @@ def test_fp16_calibration_skips_are_not_counted_as_divergence_in_an_update_witho
     check_divergence(run, UpdateResult(optimizer_steps=0, skipped_steps=4, trailing_skips=3))
     check_divergence(run, UpdateResult(optimizer_steps=0, skipped_steps=4, trailing_skips=4))
     assert run.bad_in_a_row == 7  # non-finite losses: counted across updates
+
+
+def test_the_loop_computes_gae_with_the_configs_gamma_and_lambda(tmp_path, monkeypatch):
+    """What the update gets is GAE of the rollout with ppo.gamma and ppo.gae_lambda (in that order),
+    and the logged explained variance is the critic's on those returns."""
+    import visppo.loop as loop
+    from visppo.buffer import compute_gae, explained_variance
+
+    seen, real_values, real_update = [], loop.compute_values, loop.update
+
+    def values_spy(*args):
+        seen.append({"last_value": real_values(*args)})
+        return seen[-1]["last_value"]
+
+    def update_spy(policy, optimizer, buffer, setup):
+        seen[-1].update({k: getattr(buffer, k).clone() for k in (
+            "rewards", "values", "terminated", "truncated", "final_values", "advantages", "returns")})
+        return real_update(policy, optimizer, buffer, setup)
+
+    monkeypatch.setattr(loop, "compute_values", values_spy)
+    monkeypatch.setattr(loop, "update", update_spy)
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"ppo.gamma": 0.9, "ppo.gae_lambda": 0.5,
+                                                         "env.max_episode_steps": 20}))
+    rows = list(csv.DictReader((train(cfg) / "metrics.csv").open()))
+    assert len(seen) == len(rows) == 2
+    for b, row in zip(seen, rows, strict=True):
+        assert bool(b["terminated"].any() or b["truncated"].any())  # episode ends inside the rollout
+        adv, ret = compute_gae(b["rewards"], b["values"], b["last_value"], b["terminated"], b["truncated"],
+                               b["final_values"], 0.9, 0.5)
+        torch.testing.assert_close(b["advantages"], adv)
+        torch.testing.assert_close(b["returns"], ret)
+        assert float(row["value/explained_variance"]) == pytest.approx(
+            explained_variance(b["values"], b["returns"]), rel=1e-4, abs=1e-6)

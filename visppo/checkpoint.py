@@ -192,7 +192,7 @@ def rank_state(generator: torch.Generator, envs, reward_scale=None) -> dict:
 def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler | None, iteration: int, global_step: int,
                     memory_sizes: dict[str, int], ranks: list[dict], recent: list[dict]) -> Path:
-    """Write ``checkpoints/iter_N.pt`` and ``latest.pt`` atomically; keep the last few numbered ones.
+    """Write ``checkpoints/latest.pt`` and ``iter_N.pt`` atomically; keep the last few numbered ones.
 
     ``ranks``: every process's :func:`rank_state` (one under a single process); rank 0's
     streams are also saved at the top level, where a single process reads them. ``recent``: the
@@ -214,9 +214,11 @@ def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimiz
     if len(ranks) > 1:
         state.update(world_size=len(ranks), ranks=ranks)
     numbered = folder / f"iter_{iteration:06d}.pt"
+    atomic_save(state, folder / "latest.pt")  # first: a kill between the two saves leaves it the newest
     atomic_save(state, numbered)
-    atomic_save(state, folder / "latest.pt")
-    old = sorted(folder.glob("iter_*.pt"))
+    # Only this iteration and those before it are pruned: a resume from an older iter_N.pt leaves the
+    # abandoned branch's later files, which must not take the places of this branch's newest ones.
+    old = sorted(path for path in folder.glob("iter_*.pt") if path.name <= numbered.name)
     for path in old[: max(0, len(old) - cfg.run.keep_checkpoints)]:
         path.unlink(missing_ok=True)
     return folder / "latest.pt"
@@ -263,7 +265,7 @@ def load_for_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] 
     if why:
         raise ConfigError(f"{latest} {why}")
     cfg = build_config(saved, overrides, source=str(latest))
-    check_same_run(run_dir, latest, cfg)
+    check_same_run(run_dir, latest, cfg, {item.split("=", 1)[0].strip() for item in overrides})
     if cfg.ppo.total_steps <= ckpt["global_step"]:
         raise ConfigError(f"ppo.total_steps={cfg.ppo.total_steps} is already reached (the run is at step "
                           f"{ckpt['global_step']}): raise it to train further")
@@ -277,10 +279,13 @@ def check_link(run_dir: Path, checkpoint: Path) -> None:
                           f"resume that run itself, or replace the link with one of {run_dir / 'checkpoints'}")
 
 
-def check_same_run(run_dir: Path, checkpoint: Path, cfg: Config) -> None:
+def check_same_run(run_dir: Path, checkpoint: Path, cfg: Config, overridden: set[str] = frozenset()) -> None:
     """The checkpoint's config is the run's (its config.yaml) but for the keys a resume may change:
     else it is another run's checkpoint put in this run's place, and resuming it would go on with
-    that run under this one's name. A config.yaml visppo cannot read is left to the user."""
+    that run under this one's name (or config.yaml was edited, which a resume does not read). A key a
+    resume may change, edited in config.yaml rather than given as an override, is refused too: the
+    resume would go on with the checkpoint's value and write it back over the edit. A config.yaml
+    visppo cannot read is left to the user."""
     from visppo.config import load_config
 
     try:
@@ -288,15 +293,20 @@ def check_same_run(run_dir: Path, checkpoint: Path, cfg: Config) -> None:
     except (UserError, OSError):
         return
     mine = to_dict(cfg)
-    allowed = {*RESUMABLE, "run.dir"}
     for section, values in mine.items():
         for key, value in values.items():
             name = f"{section}.{key}"
             theirs = on_disk.get(section, {}).get(key)
-            if name not in allowed and theirs != value:
-                raise ConfigError(f"{checkpoint} is not this run's checkpoint: it was trained with {name}={value}, "
-                                  f"and {run_dir / 'config.yaml'} says {theirs}: resume the run it belongs to, or "
-                                  "put this run's own checkpoint back")
+            if name == "run.dir" or name in overridden or theirs == value:
+                continue
+            if name in RESUMABLE:
+                raise ConfigError(f"{run_dir / 'config.yaml'} says {name}={theirs} but the checkpoint has {value}: "
+                                  f"a resume reads its settings from the checkpoint, so give the change as an "
+                                  f"override: visppo train --resume {run_dir} {name}={theirs}")
+            raise ConfigError(f"{checkpoint} is not this run's checkpoint: it was trained with {name}={value}, "
+                              f"and {run_dir / 'config.yaml'} says {theirs}: resume the run it belongs to, put "
+                              f"this run's own checkpoint back, or set {name} back to {value} in config.yaml "
+                              "if it was edited")
 
 
 def resume_for_rank(ckpt: dict, ctx: distributed.Context) -> dict:

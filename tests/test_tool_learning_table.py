@@ -415,6 +415,10 @@ def test_run_trains_then_evaluates_the_final_policy_and_evaluates_a_finished_run
 
     assert lt.main(run) == 0
     assert "start:" not in capsys.readouterr().out  # finished and evaluated: nothing to do
+    assert lt.main([*run, "ppo.learning_rate=0.125"]) == 2  # another recipe into the same --out
+    captured = capsys.readouterr()
+    assert "start:" not in captured.out
+    one_error_line(captured.err, f"{run_dir} was started with ppo.learning_rate=", "this command gives 0.125")
     code, text, err = table(capsys, out, "--at", "128", "--reps", "100")
     assert code == 0, err
     [final] = [r for r in rows_of(text, "dot_reach") if r[2] == "default"]

@@ -116,13 +116,42 @@ def run_dir_of(out: Path, config: Path, seed: int) -> Path:
     return out / config.stem / f"seed{seed}"
 
 
+def run_overrides(seed: int, run_dir: Path, overrides: list[str]) -> list[str]:
+    """What a new run of one (config, seed) is given on top of its config file."""
+    return [f"train.seed={seed}", "train.threads=1", "run.progress=false", f"run.dir={run_dir}", *overrides]
+
+
 def train_command(config: Path, seed: int, run_dir: Path, overrides: list[str]) -> list[str]:
     """The training command of one (config, seed): a new run, or the resumption of a stopped one."""
     visppo = [sys.executable, "-m", "visppo", "train"]
     if (run_dir / "checkpoints" / "latest.pt").is_file():
         return [*visppo, "--resume", str(run_dir)]
-    return [*visppo, str(config), f"train.seed={seed}", "train.threads=1", "run.progress=false",
-            f"run.dir={run_dir}", *overrides]
+    return [*visppo, str(config), *run_overrides(seed, run_dir, overrides)]
+
+
+def check_existing_runs(configs: list[Path], seeds: list[int], out: Path, overrides: list[str]) -> None:
+    """A run folder already under ``out`` must be the run this command would start: else ``run``
+    would count it finished, or resume it, with its old settings, and the table would mix two."""
+    from visppo.config import load_config, to_dict
+    from visppo.errors import UserError
+
+    for seed in seeds:
+        for config in configs:
+            run_dir = run_dir_of(out, config, seed)
+            saved = run_dir / "config.yaml"
+            if not saved.is_file():
+                continue
+            try:
+                theirs = to_dict(load_config(saved, [f"run.dir={run_dir}"]))
+            except (UserError, OSError) as exc:
+                raise UsageError(f"{saved} cannot be read ({exc}): move {run_dir} away") from None
+            mine = to_dict(load_config(config, run_overrides(seed, run_dir, overrides)))
+            for section, values in mine.items():
+                for key, value in values.items():
+                    if theirs.get(section, {}).get(key) != value:
+                        raise UsageError(
+                            f"{run_dir} was started with {section}.{key}={theirs.get(section, {}).get(key)}, "
+                            f"this command gives {value}: give another --out, or move that run away")
 
 
 def eval_command(run_dir: Path, episodes: int) -> list[str]:
@@ -604,6 +633,7 @@ def cmd_run(ns: argparse.Namespace, rest: list[str]) -> int:
     if ns.keep is not None and ns.keep.resolve() == ns.out.resolve():
         raise UsageError(f"--keep {ns.keep} is --out itself: give a folder of its own (e.g. under docs/)")
     seeds = list(dict.fromkeys(ns.seeds))
+    check_existing_runs(configs, seeds, ns.out, overrides)
     return 1 if run_all(configs, seeds, ns.out, ns.parallel, overrides, ns.eval_episodes, ns.keep) else 0
 
 

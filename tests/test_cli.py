@@ -79,6 +79,17 @@ def test_overrides_may_follow_options():
     assert ns.args == ["c.yaml", "model.encoder_checkpointing=true"] and ns.budget == "8GiB"
 
 
+def test_positionals_may_follow_options_in_every_command():
+    """eval's env overrides and plot's run directories too, not only the commands' ``args``."""
+    ns = parse(["eval", "RUN", "--episodes", "1", "env.image_size=64", "--deterministic", "env.frame_stack=2"])
+    assert (ns.command, ns.source, ns.overrides) == ("eval", "RUN", ["env.image_size=64", "env.frame_stack=2"])
+    assert ns.episodes == 1 and ns.deterministic and ns.func.__name__ == "cmd_eval"
+    ns = parse(["plot", "A", "--smooth", "5", "B"])
+    assert ns.runs == ["A", "B"] and ns.smooth == 5
+    ns = parse(["train", "--resume", "R", "ppo.total_steps=10"])
+    assert ns.args == ["ppo.total_steps=10"] and ns.resume == "R"
+
+
 def test_unknown_option_names_the_subcommand_help(capsys):
     code, err = run_main(capsys, "probe", "--budget", "8GiB", "--bogus")
     assert code == 2 and err.startswith("error: ") and "--bogus" in err and "visppo probe --help" in err
@@ -86,6 +97,8 @@ def test_unknown_option_names_the_subcommand_help(capsys):
     assert code == 2 and "unrecognized arguments: --bogus" in err and "visppo eval --help" in err
     code, err = run_main(capsys, "eval", "run", "extra")  # a positional after the run is an env override
     assert code == 2 and "'extra': evaluation overrides change the env only" in err
+    code, err = run_main(capsys, "export", "run", "--out", "d", "extra")  # no positional takes it
+    assert code == 2 and "unrecognized arguments: extra" in err and "visppo export --help" in err
 
 
 def test_env_that_cannot_render_is_refused(tmp_path, capsys):

@@ -1,9 +1,12 @@
 import re
+from pathlib import Path
 
 import pytest
+from conftest import one_error_line, run_main
 
 from visppo.config import (
     Config,
+    build_config,
     field_docs,
     from_dict,
     load_config,
@@ -91,6 +94,41 @@ def test_malformed_yaml_and_missing_file(tmp_path):
     unknown.write_text("ppo:\n  lr: 0.1\n")
     with pytest.raises(ConfigError, match=r"ppo\.lr"):
         load_config(unknown)
+
+
+def test_an_unreadable_config_file_is_one_error_line_saying_it_cannot_be_read(tmp_path, monkeypatch, capsys):
+    """Not the CLI's catch-all "cannot write ..." with exit 1 (permissions are faked: root reads anything)."""
+    locked = tmp_path / "locked.yaml"
+    locked.write_text("ppo:\n  num_envs: 4\n")
+    read_text = Path.read_text
+
+    def refuse(self, *args, **kwargs):
+        if self.name == locked.name:
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", refuse)
+    with pytest.raises(ConfigError, match=r"locked\.yaml cannot be read \(Permission denied\)"):
+        load_config(locked)
+    code, err = run_main(capsys, "config", locked)
+    assert code == 2 and "cannot write" not in one_error_line(err, "locked.yaml", "cannot be read")
+
+
+def test_env_kwargs_that_are_not_a_mapping_are_refused_naming_the_key(tmp_path, capsys):
+    """A list merged into env.kwargs was a TypeError traceback (file, dict) or a wrong "quote it" hint."""
+    path = tmp_path / "kw.yaml"
+    path.write_text("env:\n  kwargs: [1]\n")
+    mapping = r"env\.kwargs .*must be a mapping"
+    with pytest.raises(ConfigError, match=mapping + r".*not the list"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=mapping):
+        build_config({"env": {"kwargs": [1]}}, source="the config dict")  # visppo.train(env__kwargs=[1])
+    with pytest.raises(ConfigError, match=mapping) as refused:
+        load_config(None, ["env.kwargs=[1]"])
+    assert "quote" not in str(refused.value)
+    code, err = run_main(capsys, "config", path)
+    assert code == 2 and one_error_line(err, "env.kwargs", "kw.yaml", "mapping")
+    assert load_config(None, ["env.kwargs={look: published}"]).env.kwargs == {"look": "published"}
 
 
 def test_parse_bytes():

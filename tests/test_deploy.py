@@ -7,6 +7,9 @@ to ``Policy.act``: the actions must be the ones evaluation took.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 from conftest import act_on, evaluate_recorded, tiny_kwargs
@@ -90,3 +93,29 @@ def test_what_is_not_a_policy_is_refused(tmp_path):
     (tmp_path / "policy.json").write_text("{}")
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_policy(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def exported(dot_run, tmp_path_factory):
+    """The tiny run as a folder of `visppo export --format folder`."""
+    from visppo.export import export
+
+    return export(dot_run, tmp_path_factory.mktemp("exported") / "policy", "folder")
+
+
+@pytest.mark.parametrize("field, value", [("image_size", -1), ("frame_stack", 0), ("channels_per_frame", 0),
+                                          ("state_dim", -1), ("n", 0)])
+def test_a_hand_edited_policy_json_with_an_impossible_size_names_the_field(exported, tmp_path, field, value):
+    """Such sizes crashed deep in torch (negative dimensions, a NaN Box) or blamed the weights."""
+    folder = tmp_path / "edited"
+    shutil.copytree(exported, folder)
+    spec = json.loads((folder / "policy.json").read_text())
+    if field == "n":
+        spec["action"] = {"type": "discrete", "n": value, "shape": ["batch"], "dtype": "int64"}
+    else:
+        spec[field] = value
+    (folder / "policy.json").write_text(json.dumps(spec))
+    with pytest.raises(UserError, match=rf"{field} is {value}, must be at least") as refused:
+        load_policy(folder)
+    message = str(refused.value)
+    assert str(folder / "policy.json") in message and "\n" not in message

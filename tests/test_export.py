@@ -170,3 +170,19 @@ def test_a_bad_out_or_a_failed_export_leaves_nothing(run_dir, tmp_path, capsys, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]  # no new folder, no temporary one
     code, err = run_main(capsys, "export", run_dir, "--format", "tflite", "--out", tmp_path / "x")
     assert code == 2 and "tflite" in err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("out", [".", "../here"])
+def test_the_folder_you_are_in_is_refused_as_out_before_any_work(run_dir, tmp_path, capsys, monkeypatch, out):
+    """An empty current folder passed the emptiness check, then the export failed on rmdir('.'), exit 1."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+
+    def built(*args, **kwargs):
+        raise AssertionError("exported before --out was checked")
+
+    monkeypatch.setattr(export_module, "write_network", built)
+    code, err = run_main(capsys, "export", run_dir, "--format", "torchscript", "--out", out)
+    assert code == 2 and one_error_line(err, f"--out {out}", "the folder you are in")
+    assert list(tmp_path.iterdir()) == [here] and list(here.iterdir()) == []

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import imageio.v3 as iio
 import numpy as np
 import pytest
+from conftest import one_error_line, run_main
 
-from visppo.errors import ConfigError
+import visppo.plot as plot_module
+from visppo.errors import ConfigError, UserError
 from visppo.metrics import Logger
 from visppo.plot import moving_average, plot_runs, read_metrics
 
@@ -87,3 +90,38 @@ def test_moving_average_ignores_nan():
     values = np.array([1.0, math.nan, 3.0, 5.0, math.nan, math.nan, math.nan])
     np.testing.assert_allclose(moving_average(values, 3), [1, 1, 2, 4, 4, 5, math.nan])
     np.testing.assert_allclose(moving_average(values, 1), values)
+
+
+def test_an_unreadable_metrics_file_is_one_error_line_saying_it_cannot_be_read(tmp_path, monkeypatch, capsys):
+    """Not the CLI's catch-all "cannot write ..." with exit 1 (permissions are faked: root reads anything)."""
+    run = _run(tmp_path / "run", 3)
+    open_path = Path.open
+
+    def refuse(self, *args, **kwargs):
+        if self.name == "metrics.csv":
+            raise PermissionError(13, "Permission denied", str(self))
+        return open_path(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refuse)
+    with pytest.raises(ConfigError, match=r"metrics\.csv cannot be read \(Permission denied\)"):
+        read_metrics(run)
+    code, err = run_main(capsys, "plot", run, "--out", tmp_path / "p.png")
+    assert code == 2 and "cannot write" not in one_error_line(err, "metrics.csv", "cannot be read")
+    assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("under", ["afile", "afile/deeper"])
+def test_out_under_a_file_is_refused_before_anything_is_drawn(tmp_path, monkeypatch, capsys, under):
+    run = _run(tmp_path / "run", 3)
+    (tmp_path / "afile").write_text("mine")
+
+    def drawn(*args, **kwargs):
+        raise AssertionError("drawn before the output path was checked")
+
+    monkeypatch.setattr(plot_module, "_draw_panel", drawn)
+    out = tmp_path / under / "p.png"
+    with pytest.raises(UserError, match=r"afile is not a directory"):
+        plot_runs([run], out)
+    code, err = run_main(capsys, "plot", run, "--out", out)
+    assert code == 2 and one_error_line(err, "plot output", "afile")
+    assert (tmp_path / "afile").read_text() == "mine"

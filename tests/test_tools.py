@@ -122,11 +122,25 @@ def test_bench_prints_every_figure_and_writes_json(tmp_path, capsys):
     (["configs/nosuch.yaml"], "nosuch.yaml"),
     (["--json", "{tmp}/nowhere/b.json"], "does not exist"),
     (["--nosuch"], "unrecognized arguments"),
+    (["env.id=visppo/Nope-v0", "--no-raw", "--repeats", "1", "--iterations", "2"], "visppo/Nope-v0"),
 ])
 def test_bench_refuses_bad_input_with_one_error_line(tmp_path, capsys, args, needle):
     code, text, err = call(capsys, "bench", *(a.replace("{tmp}", str(tmp_path)) for a in args))
     assert code == 2 and text == ""
     one_error_line(err, needle)
+
+
+def test_bench_reports_bad_input_found_while_measuring_as_one_error_line(capsys, monkeypatch):
+    """What only making the env finds (env.kwargs it refuses) is raised in a measurement's process."""
+    from visppo.errors import ConfigError
+
+    def refused(*args, **kwargs):
+        raise ConfigError("env.id visppo/DotReach-v0 refused its arguments: check env.kwargs")
+
+    monkeypatch.setattr(load_tool("bench"), "measure", refused)
+    code, text, err = call(capsys, "bench", *tiny(), "--no-raw", "--repeats", "1", "--iterations", "2")
+    assert code == 2 and text == ""
+    one_error_line(err, "env.kwargs")
 
 
 def test_bench_update_compares_a_plain_update_with_visppos_and_writes_json(tmp_path, capsys):
@@ -150,6 +164,7 @@ def test_bench_update_compares_a_plain_update_with_visppos_and_writes_json(tmp_p
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["model.bogus=1"], "bogus"),
     (["--json", "{tmp}/nowhere/u.json"], "does not exist"),
+    (["env.id=visppo/Nope-v0"], "visppo/Nope-v0"),
 ])
 def test_bench_update_refuses_bad_input_with_one_error_line(tmp_path, capsys, args, needle):
     code, text, err = call(capsys, "bench_update", *tiny(), *(a.replace("{tmp}", str(tmp_path)) for a in args))
@@ -261,6 +276,7 @@ def test_fit_table_probes_each_row_in_fake_mode_without_a_gpu(capsys):
     (["--budget", "abc"], "'abc' is not a size"),
     (["--rows", "nature:36", "--amp", "bogus"], "train.amp"),
     (["--rows", "nosuch:36"], "nosuch"),
+    (["--budget", "1B", "--rows", "nature:36", "--amp", "off"], "nature:36 with amp off: nothing fits"),
 ])
 def test_fit_table_refuses_bad_input_with_one_error_line(capsys, args, needle):
     code, text, err = call(capsys, "fit_table", *args)

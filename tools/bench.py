@@ -36,7 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from visppo.config import Config, load_config
-from visppo.envs import make_vector_env
+from visppo.envs import check_env_id, make_vector_env
 from visppo.errors import UserError
 
 
@@ -123,7 +123,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
     if ns.json is not None and not ns.json.parent.is_dir():
         raise UserError(f"--json {ns.json}: folder {ns.json.parent} does not exist")
     path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
-    return ns, load_config(path, ns.args[1:] if path else ns.args)
+    cfg = load_config(path, ns.args[1:] if path else ns.args)
+    check_env_id(cfg.env.id)  # an unknown id now, not in the first spawned measurement
+    return ns, cfg
 
 
 def measure(cfg: Config, repeats: int, iterations: int, steps: int, raw_env: bool = True
@@ -168,10 +170,11 @@ def report(cfg: Config, repeats: int, raw: dict[str, float], train_figs: dict[st
 def main(argv: list[str] | None = None) -> int:
     try:
         ns, cfg = parse(argv)
+        # what only making the env finds (env.kwargs it refuses) comes back from the measurement's process
+        raw, train_figs = measure(cfg, ns.repeats, ns.iterations, ns.steps, raw_env=not ns.no_raw)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    raw, train_figs = measure(cfg, ns.repeats, ns.iterations, ns.steps, raw_env=not ns.no_raw)
     print(report(cfg, ns.repeats, raw, train_figs))
     if ns.json:
         best = max(raw.values()) if raw else float("nan")

@@ -176,27 +176,34 @@ def table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+def checked(ns: argparse.Namespace) -> tuple[Config, list[int], list[str], torch.device]:
+    """The config, micro-batch sizes, AMP settings and device; a UserError on bad input."""
+    cfg = load(ns.args)
+    try:
+        micros = [int(m) for m in ns.micro.split(",") if m.strip()]
+    except ValueError as exc:
+        raise UserError(f"--micro {ns.micro}: {exc}: give whole numbers, e.g. 16,32,0") from None
+    amps = [a.strip() for a in ns.amp.split(",") if a.strip()]
+    device = resolve_device(cfg.train.device)
+    if ns.repeats < 1 or any(m < 0 for m in micros):
+        raise UserError("--repeats must be >= 1 and --micro sizes >= 0")
+    if ns.json is not None and not ns.json.parent.is_dir():
+        raise UserError(f"--json {ns.json}: folder {ns.json.parent} does not exist")
+    return cfg, micros, amps, device
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     try:
-        cfg = load(ns.args)
-        micros = [int(m) for m in ns.micro.split(",") if m.strip()]
-        amps = [a.strip() for a in ns.amp.split(",") if a.strip()]
-        device = resolve_device(cfg.train.device)
-    except (UserError, ValueError) as exc:
+        cfg, micros, amps, device = checked(ns)
+        preload_before_gl()  # before a gymnasium renderer's GL context, as training does
+        obs_space, action_space = spaces(cfg)  # an env that cannot be made: refused before any work
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if ns.repeats < 1 or any(m < 0 for m in micros):
-        print("error: --repeats must be >= 1 and --micro sizes >= 0", file=sys.stderr)
-        return 2
-    if ns.json is not None and not ns.json.parent.is_dir():
-        print(f"error: --json {ns.json}: folder {ns.json.parent} does not exist", file=sys.stderr)
         return 2
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
 
-    preload_before_gl()  # before a gymnasium renderer's GL context, as training does
-    obs_space, action_space = spaces(cfg)
     # the same contents in both layouts: NCHW frames for the plain rows, the config's layout for the others
     buffers = {cl: random_buffer(cfg, obs_space, action_space, torch.Generator().manual_seed(cfg.train.seed),
                                  channels_last=cl) for cl in (False, True)}

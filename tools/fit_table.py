@@ -57,6 +57,19 @@ def row(encoder: str, size: int, amp: str, budget: str) -> str:
             f"{found.micro_batch_size} | {format_bytes(micro.peak_bytes)} |")
 
 
+def table(rows: list[tuple[str, int]], amps: list[str], budget: str) -> list[str]:
+    """Every row, probed before any is printed: a row the probe refuses (nothing fits the budget)
+    is one error naming it, not half a table."""
+    lines = []
+    for encoder, size in rows:
+        for amp in amps:
+            try:
+                lines.append(row(encoder, size, amp, budget))
+            except UserError as exc:
+                raise UserError(f"{encoder}:{size} with amp {amp}: {exc}") from None
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget", default="8GiB", help="GPU memory budget (8GiB)")
@@ -74,11 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ValueError) as exc:  # parse_bytes: ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        lines = table(rows, amps, args.budget)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"| encoder | image | amp | peak, micro-batch 256 | micro-batch for {args.budget} | its peak |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for encoder, size in rows:
-        for amp in amps:
-            print(row(encoder, size, amp, args.budget), flush=True)
+    print("\n".join(lines))
     return 0
 
 

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from visppo.errors import UserError
+
 
 def file_mode() -> int:
     """The mode a plain ``open()`` would give a new file; ``mkstemp`` makes 0600 ones."""
@@ -62,3 +64,19 @@ def atomic_write_text(path: Path, text: str) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write a binary file so that it is either complete or absent."""
     atomic_write(path, lambda f: f.write(data), binary=True)
+
+
+def check_writable(path: Path, what: str) -> Path:
+    """Check an output's path before the work that makes it, so a bad one fails first: its nearest
+    existing folder must be a writable directory. Missing folders are made only when the file is
+    written (a refused command leaves nothing behind)."""
+    if path.is_dir():
+        raise UserError(f"{what} output {path} is a directory: give a file name")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"cannot write the {what} output {path}: {folder} is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write the {what} output {path}: {folder} is not writable")
+    return path

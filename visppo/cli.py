@@ -237,15 +237,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse, letting ``[CONFIG] [key=value]`` follow options too (``probe C --budget 8GiB a.b=1``):
-    argparse alone takes positionals only before the first option."""
+    """Parse, letting positionals follow options too (``probe C --budget 8GiB a.b=1``,
+    ``eval RUN --episodes 1 env.image_size=64``): argparse alone takes positionals only before the
+    first option, so a command with positionals left over is parsed again, intermixed."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     ns, extra = parser.parse_known_args(argv)
-    if extra:
-        if not hasattr(ns, "args") or any(a.startswith("-") for a in extra):
-            parser.exit(2, f"error: unrecognized arguments: {' '.join(extra)} (see visppo {ns.command} --help)\n")
-        ns.args = [*ns.args, *extra]
-    return ns
+    if not extra:
+        return ns
+    command = _command_parser(parser, ns.command)
+    rest = argv[argv.index(ns.command) + 1:]
+    return command.parse_intermixed_args(rest, namespace=argparse.Namespace(command=ns.command))
+
+
+def _command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of the subcommand ``name`` (argparse keeps it in its subparsers action)."""
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices[name]
 
 
 def _one_line(exc: Exception) -> str:

@@ -336,6 +336,9 @@ def read_yaml(path: Path) -> dict:
         raise ConfigError(f"{path} {exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not a text (UTF-8) file: give a YAML config") from None
+    except OSError as exc:  # unreadable (permissions, a special file): not the catch-all's "cannot write"
+        raise ConfigError(f"config file {path} cannot be read ({exc.strerror or exc}): "
+                          "make it readable or give another file") from None
     except (yaml.YAMLError, RecursionError) as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" line {where.line + 1}" if where is not None else ""
@@ -501,12 +504,36 @@ def _check_sections(data: dict, source: str) -> None:
                               f"not the {type(value).__name__} {str(value)[:40]!r}: indent its keys under it")
 
 
+def _check_kwargs(data: dict, overrides: list[str] | tuple[str, ...], source: str) -> None:
+    """``env.kwargs`` go to the env's constructor as keywords, so they must be a mapping; checked
+    here because OmegaConf's merge of a list into it raises a bare TypeError."""
+    env = data.get("env")
+    if isinstance(env, dict) and "kwargs" in env:
+        _kwargs_mapping(env["kwargs"], f"in {source}")
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if eq and key.strip() == "env.kwargs":
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                continue  # not YAML at all: the merge's own message says so
+            _kwargs_mapping(parsed, "on the command line")
+
+
+def _kwargs_mapping(value: Any, where: str) -> None:
+    if not isinstance(value, dict):
+        shown = "nothing" if value is None else f"the {type(value).__name__} {str(value)[:40]!r}"
+        raise ConfigError(f"env.kwargs {where} must be a mapping of the env's keyword arguments "
+                          f"(e.g. env.kwargs.look=published, or kwargs: {{look: published}} in a file), not {shown}")
+
+
 def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source: str = "the config",
                  to_act: bool = False) -> Config:
     """Defaults <- ``data`` (nested sections) <- ``key=value`` overrides, validated. ``to_act``:
     the config of a checkpoint loaded only to act (see ``ACTING_UNCHANGED``)."""
     data = _drop_removed(data, overrides, source, to_act)
     _check_sections(data, source)
+    _check_kwargs(data, overrides, source)
     data, overrides = _whole_numbers(data, overrides)
     cfg = _schema()
     try:

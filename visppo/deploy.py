@@ -110,12 +110,31 @@ class PolicySpec:
             common = (int(data["image_size"]), int(data["channels_per_frame"]), int(data["frame_stack"]),
                       int(data.get("state_dim", 0)))
             if action["type"] == "discrete":
-                return cls(*common, n=int(action["n"]), extra=data)
-            low = [-math.inf if v is None else float(v) for v in action["low"]]
-            high = [math.inf if v is None else float(v) for v in action["high"]]
-            return cls(*common, low=low, high=high, extra=data)
+                spec = cls(*common, n=int(action["n"]), extra=data)
+            else:
+                low = [-math.inf if v is None else float(v) for v in action["low"]]
+                high = [math.inf if v is None else float(v) for v in action["high"]]
+                spec = cls(*common, low=low, high=high, extra=data)
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{source}: a policy.json with a missing or bad entry ({exc!r})") from None
+        spec.check(source)
+        return spec
+
+    def check(self, source: Path) -> None:
+        """Refuse sizes no network can have (a hand-edited policy.json), naming the field, before
+        torch fails on them deep inside the layers."""
+        for name, value, least in (("image_size", self.image_size, 1), ("channels_per_frame", self.channels, 1),
+                                   ("frame_stack", self.frame_stack, 1), ("state_dim", self.state_dim, 0)):
+            if value < least:
+                raise CheckpointError(f"{source}: {name} is {value}, must be at least {least}: restore the "
+                                      "exported value (or export the run again)")
+        if self.low is None and self.n < 1:
+            raise CheckpointError(f"{source}: action n is {self.n}, must be at least 1 discrete action: restore "
+                                  "the exported value (or export the run again)")
+        if self.low is not None and (not self.low or len(self.low) != len(self.high)
+                                     or any(lo > hi for lo, hi in zip(self.low, self.high))):
+            raise CheckpointError(f"{source}: action low and high must be lists of one length with low <= high: "
+                                  "restore the exported values (or export the run again)")
 
 
 def _finite(value: float) -> float | None:

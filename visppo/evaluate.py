@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 
 from visppo import checkpoint as ckpt_io
 from visppo import seeding
-from visppo.atomic import atomic_write_text
+from visppo.atomic import atomic_write_text, check_writable
 from visppo.builders import build_policy
 from visppo.checkpoint import CheckpointError
 from visppo.config import Config, from_dict
@@ -63,7 +62,7 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
     if episodes < 1:
         raise UserError(f"episodes must be at least 1, got {episodes}")
     if video is not None:
-        video = _check_output_path(Path(video), "video")
+        video = check_writable(Path(video), "video")
         check_suffix(video)
     check_env_id(cfg.env.id)
     with env_errors(cfg.env.id, "evaluation"):
@@ -249,7 +248,7 @@ def evaluate(source: str | Path, episodes: int, deterministic: bool = False, vid
     """
     _check_env_overrides(env_overrides)  # before any file is looked at
     if json_path is not None:
-        json_path = _check_output_path(Path(json_path), "JSON")
+        json_path = check_writable(Path(json_path), "JSON")
     path = resolve_checkpoint(source)
     device = torch.device("cpu")
     policy, cfg, ckpt = load_policy(path, device, env_overrides)
@@ -276,22 +275,6 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- output files
-
-
-def _check_output_path(path: Path, what: str) -> Path:
-    """Check the output's path now, so a bad one fails before the episodes run: its nearest existing
-    folder must be a writable directory. Missing folders are made only when the file is written
-    (a refused evaluation leaves nothing behind)."""
-    if path.is_dir():
-        raise UserError(f"{what} output {path} is a directory: give a file name")
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise UserError(f"cannot write the {what} output {path}: {folder} is not a directory")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write the {what} output {path}: {folder} is not writable")
-    return path
 
 
 def _jsonable(value: Any) -> Any:

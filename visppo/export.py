@@ -95,9 +95,12 @@ def export(source: str | Path, out: str | Path, fmt: str = "folder") -> Path:
 
 
 def check_out(out: Path) -> Path:
-    """``--out`` must be a new folder, or an empty one, under a writable directory (checked, not created)."""
+    """``--out`` must be a new folder, or an empty one other than the current folder, under a writable
+    directory (checked, not created)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file: give a folder to create")
+    if out.is_dir() and out.resolve() == Path.cwd().resolve():  # the rename would replace the cwd
+        raise ConfigError(f"--out {out} is the folder you are in: give a new folder, e.g. {out / 'policy'}")
     if out.is_dir() and any(out.iterdir()):
         raise ConfigError(f"--out {out} is a folder that is not empty: give a new folder (nothing is overwritten)")
     existing = out.absolute().parent

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from visppo.atomic import atomic_write
+from visppo.atomic import atomic_write, check_writable
 from visppo.errors import ConfigError
 
 PANELS = (("episode_return", "episode return"), ("episode_success", "success rate"))
@@ -43,6 +43,9 @@ def read_metrics(run_dir: Path) -> dict[str, np.ndarray]:
     except (UnicodeDecodeError, csv.Error) as exc:
         raise ConfigError(f"{path} is not a CSV file visppo wrote ({type(exc).__name__}): give the "
                           "directory of a visppo run") from None
+    except OSError as exc:  # unreadable (permissions, a special file): not the CLI's "cannot write"
+        raise ConfigError(f"{path} cannot be read ({exc.strerror or exc}): make it readable or give "
+                          "another run directory") from None
     if not header or "global_step" not in header:
         raise ConfigError(f"{path} has no global_step column: it is not a visppo metrics file")
     columns: dict[str, list[float]] = {name: [] for name in header}
@@ -111,6 +114,7 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
         raise ConfigError(f"--out {out} is a directory: give a file name, e.g. {out / 'curves.png'}")
     if not out.suffix:
         out = out.with_suffix(".png")
+    check_writable(out, "plot")
     fig = Figure(figsize=(11, 4), layout="constrained")
     canvas = FigureCanvasAgg(fig)
     fmt = out.suffix[1:].lower()

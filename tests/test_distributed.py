@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import tiny_overrides, update_with
+from torch import nn
 
 import visppo.ppo as ppo_module
 from visppo import distributed
@@ -385,3 +386,45 @@ def test_rank_seeds_differ_and_rank_0_keeps_the_seed():
     assert seeds[0] == 7 and len(set(seeds)) == 4
     with pytest.raises(ConfigError, match="do not fit together"):
         distributed.Context.from_env({"WORLD_SIZE": "2", "RANK": "2"})
+
+
+def _fake_collectives(monkeypatch, world: int = 2) -> list[torch.Tensor]:
+    """The collectives of one process that pretends to be one of ``world``: ``all_reduce`` sums
+    nothing and keeps what it is handed (the caller then divides it by ``world`` in place)."""
+    handed: list[torch.Tensor] = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, *a, **k: handed.append(t))
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: world)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a: "gloo")
+    return handed
+
+
+def test_the_all_reduce_buffer_is_one_flat_copy_of_channels_last_gradients(monkeypatch):
+    """Convolution gradients in channels_last do not flatten into a view: copied one by one and
+    then concatenated, they held twice the flat buffer at the peak. Written straight into one
+    preallocated buffer, the peak is that buffer (what the probe's allreduce_buffer line counts), its
+    content is every gradient flattened in order (zeros for none), then the statistics and the flag;
+    the average comes back in each gradient's own layout."""
+    from visppo.memory import LiveBytes
+
+    convs = [nn.Conv2d(64, 64, 3).to(memory_format=torch.channels_last) for _ in range(3)]
+    params = [p for conv in convs for p in conv.parameters()]
+    frozen = nn.Parameter(torch.ones(5))  # a parameter with no gradient on this rank
+    params.insert(1, frozen)
+    g = torch.Generator().manual_seed(0)
+    for p in params:
+        if p is not frozen:
+            p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=g))
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    expected = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                         + [torch.tensor([1.5, -2.0, 0.0])])
+    handed = _fake_collectives(monkeypatch)
+    with LiveBytes() as meter:
+        means, failed = distributed.reduce_minibatch(params, {"a": 1.5, "b": torch.tensor(-2.0)}, failed=False)
+    flat_bytes = 4 * (sum(p.numel() for p in params) + 3)
+    assert meter.peak <= flat_bytes + 1024, (meter.peak, flat_bytes)
+    assert len(handed) == 1 and torch.equal(handed[0] * 2, expected)
+    assert means == {"a": 0.75, "b": -1.0} and not failed
+    assert frozen.grad is None
+    for p, old in zip(params, before):
+        if old is not None:
+            assert torch.equal(p.grad, old / 2) and p.grad.stride() == old.stride()

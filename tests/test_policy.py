@@ -70,3 +70,33 @@ def test_shared_layers_feed_both_heads_and_both_losses_train_them():
 def test_unsupported_action_space():
     with pytest.raises(ValueError, match="not supported"):
         ActorCritic(OBS, gym.spaces.MultiBinary(3), ModelConfig())
+
+
+@pytest.mark.parametrize("action_space, share_encoder", [
+    (gym.spaces.Box(-1, 1, (2,), np.float32), True),
+    (gym.spaces.Box(-1, 1, (2,), np.float32), False),
+    (gym.spaces.Discrete(5), True),
+])
+def test_acting_in_chunks_draws_what_one_pass_draws(action_space, share_encoder):
+    """``act(chunk=3)`` and ``value(chunk=3)`` over 10 observations: the encoders never see more than
+    3 at a time, and for the same RNG state the actions, log-probs and values are one pass's."""
+    torch.manual_seed(0)
+    space = gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (3, 24, 24), np.uint8)})
+    policy = ActorCritic(space, action_space, ModelConfig(feature_dim=16, hidden_dim=16,
+                                                          share_encoder=share_encoder)).eval()
+    obs = {"pixels": torch.randint(0, 256, (10, 3, 24, 24), dtype=torch.uint8,
+                                   generator=torch.Generator().manual_seed(1))}
+    with torch.inference_mode():
+        torch.manual_seed(7)
+        whole = policy.act(obs)
+        seen = []
+        for enc in policy.encoders():
+            enc.register_forward_pre_hook(lambda module, args: seen.append(args[0]["pixels"].shape[0]))
+        torch.manual_seed(7)
+        chunked = policy.act(obs, chunk=3)
+        assert max(seen) == 3 and sum(seen) == 10 * len(policy.encoders())
+        for mine, theirs in zip(chunked, whole, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        seen.clear()
+        torch.testing.assert_close(policy.value(obs, chunk=3), whole[2], rtol=1e-5, atol=1e-6)
+        assert max(seen) == 3

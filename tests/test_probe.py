@@ -7,6 +7,7 @@ from conftest import infer_with, tiny_overrides, update_with
 from visppo.buffer import RolloutBuffer
 from visppo.cli import main
 from visppo.config import PPOConfig, load_config
+from visppo.policy import ActorCritic
 from visppo.probe import Prober, probe
 
 
@@ -364,3 +365,89 @@ def test_kernel_workspace_under_a_users_profiler_warns_and_counts_nothing():
     with profile(), pytest.warns(RuntimeWarning, match="conv_workspace not measured"):
         assert prober._pass("infer_chunk", 16)["conv_workspace"] == 0
     assert "not measured" in prober.sources["conv_workspace"]
+
+
+def test_real_mode_on_a_gpu_caps_the_allocator_of_an_indexed_device(monkeypatch):
+    """``set_per_process_memory_fraction`` refuses a device without an index (ValueError), and
+    ``--device cuda`` gives none: the cap goes to the current GPU. (CUDA faked: the probe stops at
+    the model, after the cap.)"""
+    from types import SimpleNamespace
+
+    from torch.cuda._utils import _get_device_index
+
+    import visppo.probe as probe_mod
+
+    caps = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device=None: caps.append((fraction, _get_device_index(device))))
+
+    class ModelBuilt(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise ModelBuilt
+
+    monkeypatch.setattr(probe_mod, "Prober", stop)
+    with pytest.raises(ModelBuilt):
+        probe(load_config(None, tiny_overrides()), "8GiB", "cuda", mode="real")
+    assert caps == [(0.1, 3)]
+    probe_mod.emulate_smaller_card(8 * 2**30, torch.device("cuda", 1))  # an index given is kept
+    probe_mod.emulate_smaller_card(80 * 2**30, torch.device("cuda"))  # the whole card: no cap
+    assert caps == [(0.1, 3), (0.1, 1)]
+
+
+def _out_of_memory_above(samples: int, monkeypatch) -> None:
+    """Every policy's forward raises out-of-memory on more than ``samples`` samples."""
+    real = ActorCritic.score_actions
+
+    def score_actions(self, obs, actions):
+        if len(actions) > samples:
+            raise torch.OutOfMemoryError(f"out of memory: {len(actions)} samples (test)")
+        return real(self, obs, actions)
+
+    monkeypatch.setattr(ActorCritic, "score_actions", score_actions)
+
+
+def test_real_mode_a_chunk_that_runs_out_of_memory_does_not_fit(monkeypatch):
+    """The measured no-grad pass must not back off (halve the chunk and retry, as training's does):
+    the retry at a smaller chunk would report the size that ran out of memory as fitting."""
+    _out_of_memory_above(8, monkeypatch)
+    cfg = load_config(None, tiny_overrides())
+    prober = Prober(cfg, torch.device("cpu"), "real")
+    assert not prober.measure("infer_chunk", 32, 2**62).fits
+    assert prober.measure("infer_chunk", 8, 2**62).fits
+    assert probe(cfg, "64GiB", "cpu", "real").infer_chunk_size == 8
+
+
+def test_real_cpu_mode_a_micro_batch_that_runs_out_of_memory_does_not_fit(monkeypatch):
+    """On the CPU as on a GPU, out-of-memory in the measured step means "does not fit", not a crash."""
+    _out_of_memory_above(8, monkeypatch)
+    cfg = load_config(None, tiny_overrides())
+    prober = Prober(cfg, torch.device("cpu"), "real")
+    assert not prober.measure("micro_batch", 16, 2**62).fits
+    assert prober.measure("micro_batch", 8, 2**62).fits
+    assert probe(cfg, "64GiB", "cpu", "real").micro_batch_size == 8
+
+
+def test_allreduce_line_is_the_flat_gradient_copy_when_parameters_outweigh_the_pass():
+    """A wide model on tiny frames, one sample per pass: the all-reduce's flat fp32 copy of the
+    gradients (4 B per trainable parameter, counted here from a model built apart from the probe)
+    is far above the pass's transients, so the line is that copy less those transients, and > 0."""
+    from visppo.builders import build_policy
+    from visppo.envs import make_env
+
+    cfg = load_config(None, tiny_overrides(**{"env.image_size": 16, "model.hidden_dim": 1024, "model.shared_layers": 2,
+                                              "ppo.minibatch_size": 2}))
+    env = make_env(cfg)
+    model = build_policy(cfg, env.observation_space, env.action_space, torch.device("cpu"), load_weights=False)
+    env.close()
+    flat = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    prober = Prober(cfg, torch.device("cpu"), "fake", world_size=2)
+    for kind, size in (("infer_chunk", 1), ("micro_batch", 1), ("micro_batch", 2)):
+        lines = prober._pass(kind, size)
+        transient = lines["activations"] + lines["conv_workspace"]
+        assert transient < flat / 2, (kind, size, lines)  # the config does what it is for
+        assert lines["allreduce_buffer"] == flat - transient > 0, (kind, size, lines)

@@ -1,5 +1,6 @@
 import gymnasium as gym
 import numpy as np
+import pytest
 import torch
 
 from visppo.buffer import RolloutBuffer
@@ -31,12 +32,12 @@ class Counter(gym.Env):
 class PixelValuePolicy:
     """value(obs) = the frame's pixel value: tells which observation the rollout bootstrapped with."""
 
-    def act(self, obs):
+    def act(self, obs, chunk=0):
         n = obs["pixels"].shape[0]
         value = obs["pixels"].float().mean(dim=(1, 2, 3))
         return torch.full((n, 1), 5.0), torch.zeros(n), value
 
-    def value(self, obs):
+    def value(self, obs, chunk=0):
         return obs["pixels"].float().mean(dim=(1, 2, 3))
 
 
@@ -95,8 +96,6 @@ def test_a_killed_env_worker_ends_the_rollout_with_a_clear_error():
     import os
     import signal
 
-    import pytest
-
     from visppo.config import load_config
     from visppo.envs import make_vector_env
     from visppo.errors import RunError
@@ -115,7 +114,6 @@ def test_a_killed_env_worker_ends_the_rollout_with_a_clear_error():
 
 
 def test_an_env_that_raises_ends_the_rollout_with_a_clear_error():
-    import pytest
 
     from visppo.errors import RunError
 
@@ -156,13 +154,13 @@ class ObsPolicy:
     def __init__(self, act_dim: int, calls: list | None = None):
         self.act_dim, self.calls = act_dim, calls
 
-    def act(self, obs):
+    def act(self, obs, chunk=0):
         level = obs["pixels"].float().mean(dim=(1, 2, 3)) / 255.0
         if self.calls is not None:
             self.calls.append(f"act {level.shape[0]}")
         return (level[:, None] - 0.5).expand(-1, self.act_dim).clone(), level * 2, level * 3
 
-    def value(self, obs):
+    def value(self, obs, chunk=0):
         return obs["pixels"].float().mean(dim=(1, 2, 3)) / 255.0 * 3
 
 
@@ -212,3 +210,50 @@ def test_truncated_final_observations_are_kept_for_recomputing_their_bootstrap()
         assert np.array_equal(buf.last_obs[key].numpy(), arr)
 
 
+def _acting_policy(action_space: gym.Space, share_encoder: bool = True, obs_space: gym.Space | None = None):
+    from visppo.config import ModelConfig
+    from visppo.policy import ActorCritic
+
+    torch.manual_seed(0)
+    space = obs_space or gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (3, 24, 24), np.uint8)})
+    policy = ActorCritic(space, action_space, ModelConfig(feature_dim=16, hidden_dim=16, share_encoder=share_encoder))
+    return policy.eval()
+
+
+def _batch_sizes(policy) -> list[int]:
+    """The batch sizes the policy's encoders see from now on."""
+    seen: list[int] = []
+    for enc in policy.encoders():
+        enc.register_forward_pre_hook(lambda module, args: seen.append(args[0]["pixels"].shape[0]))
+    return seen
+
+
+def test_collect_runs_the_act_and_bootstrap_passes_in_chunks():
+    """collect(chunk=2) over 5 envs whose episodes all end by time limit at once: every pass the
+    policy runs (acting, the truncated episodes' bootstrap values) sees at most 2 observations,
+    and the rollout equals the one-pass rollout drawn from the same seed."""
+    from visppo.config import load_config
+    from visppo.envs import make_vector_env
+
+    cfg = load_config(None, ["env.id=visppo/DotReach-v0", "ppo.num_envs=5", "env.vector=sync",
+                             "env.max_episode_steps=3", "env.image_size=24"])
+    bufs, seen = [], []
+    for chunk in (0, 2):
+        envs = make_vector_env(cfg)
+        try:
+            policy = _acting_policy(envs.single_action_space, obs_space=envs.single_observation_space)
+            if chunk:
+                seen = _batch_sizes(policy)
+            buf = RolloutBuffer(7, 5, envs.single_observation_space, envs.single_action_space)
+            state = RolloutState.start(envs, seed=3)
+            torch.manual_seed(11)
+            collect(envs, policy, buf, state, torch.device("cpu"), chunk=chunk)
+            bufs.append(buf)
+        finally:
+            envs.close()
+    whole, chunked = bufs
+    assert whole.truncated.sum() == 10  # two steps with five bootstraps each
+    assert max(seen) == 2 and len(seen) == 7 * 3 + 2 * 3  # 7 act passes and 2 bootstraps, 3 chunks each
+    for name in ("actions", "logp", "values", "final_values", "rewards"):
+        torch.testing.assert_close(getattr(chunked, name), getattr(whole, name), rtol=1e-5, atol=1e-6, msg=name)
+    assert torch.equal(chunked.obs["pixels"], whole.obs["pixels"])

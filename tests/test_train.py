@@ -293,3 +293,12 @@ def test_the_loop_computes_gae_with_the_configs_gamma_and_lambda(tmp_path, monke
         torch.testing.assert_close(b["returns"], ret)
         assert float(row["value/explained_variance"]) == pytest.approx(
             explained_variance(b["values"], b["returns"]), rel=1e-4, abs=1e-6)
+
+
+def test_the_loop_acts_in_chunks_of_the_inference_chunk_size(tmp_path, monkeypatch):
+    import visppo.loop as loop
+
+    chunks, real = [], loop.collect
+    monkeypatch.setattr(loop, "collect", lambda *a, **k: (chunks.append(k.get("chunk")), real(*a, **k))[1])
+    train(load_config(None, tiny_overrides(tmp_path, **{"memory.infer_chunk_size": 1})))
+    assert chunks == [1, 1]

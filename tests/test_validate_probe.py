@@ -216,3 +216,50 @@ def test_an_infer_rows_cap_starts_at_the_score_pass_and_a_micro_rows_at_the_buil
         order = [c for c in calls if c[0] in ("cap", "ran")]
         assert [c for c in order if c[0] == "cap"] == [("cap", (2**30 - 2**29) / 2**34)]  # the context comes off
         assert order[order.index(("cap", (2**30 - 2**29) / 2**34)) + 1] == ("ran", capped_phase)
+
+
+def _measured(error: float, **extra) -> dict:
+    return {**ROW, "config": "nature 48x48x9 amp=off", "estimated_bytes": 1000, "measured_bytes": 1000,
+            "error": error, **extra}
+
+
+@pytest.mark.parametrize("rows, code", [
+    ([_measured(0.0), _measured(0.04)], 0),
+    ([_measured(0.0), _measured(-0.03)], 1),  # 3% under
+    ([_measured(0.0), _measured(0.06)], 1),  # 6% over
+    ([_measured(0.0), _measured(0.0, cap_bytes=1020, oom=["out of memory at micro_batch_size=8"])], 1),
+])
+def test_the_exit_code_is_nonzero_when_a_row_fails(monkeypatch, capsys, rows, code):
+    """A row outside the limits, or a capped row that ran out of memory, fails the run: exit 1
+    (a script or CI step must not read a failed check as a pass)."""
+    monkeypatch.setattr(vp, "run_grid", lambda *args, **kwargs: iter(rows))
+    assert vp.main(["--device", "cpu", "--quick"]) == code
+    out = capsys.readouterr().out
+    assert f"{code} of 2 rows outside" in out
+    assert "exit code 1" in vp.__doc__.split("\n\n")[1] and "exit code 1" in vp._parser().format_help()
+
+
+def test_json_naming_a_folder_is_one_error_line_before_anything_runs(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(vp, "run_grid", lambda *args, **kwargs: pytest.fail("ran the grid"))
+    assert vp.main(["--device", "cpu", "--json", str(tmp_path)]) == 2
+    one_error_line(capsys.readouterr().err, f"--json {tmp_path}", "folder")
+
+
+def test_the_json_is_rewritten_whole_after_every_row(monkeypatch, tmp_path):
+    """A run cut short (a time limit, a crash) keeps the rows it measured: each write goes to a
+    temporary file renamed over the JSON, so the file is always the old whole one or the new."""
+    import os
+
+    path = tmp_path / "v.json"
+    path.write_text("{}")
+    renames, real_replace = [], os.replace
+
+    def replace(src, dst):
+        renames.append((Path(dst).read_text(), len(json.loads(Path(src).read_text())["rows"])))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(vp, "run_grid", lambda *args, **kwargs: iter([_measured(0.0), _measured(0.01)]))
+    assert vp.main(["--device", "cpu", "--quick", "--json", str(path)]) == 0
+    assert [n for _, n in renames] == [1, 2] and renames[0][0] == "{}"
+    assert len(json.loads(path.read_text())["rows"]) == 2

@@ -3,6 +3,8 @@
     python tools/validate_probe.py --device cpu --json probe_cpu.json     # oracle: torch.profiler
     python tools/validate_probe.py --device cuda --json probe_gpu.json    # real GPU: allocator + driver
     python tools/validate_probe.py --device cpu --quick                   # a small grid: seconds
+    exit code 0: every row and headline passed; exit code 1: one failed (outside LIMITS, or out
+    of memory under its cap); exit code 2: bad input
 
 Every row is one config (encoder, image size, AMP) and one size: a micro-batch
 (``kind=micro_batch``) or an inference chunk (``kind=infer_chunk``). The
@@ -456,8 +458,14 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
+def _exit_codes() -> str:
+    """The usage's exit-code lines as one line (``--help`` ends with it)."""
+    usage = __doc__.split("\n\n")[1]
+    return " ".join(usage[usage.index("exit code 0"):].split())
+
+
 def _parser() -> Parser:
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], epilog=_exit_codes())
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--quick", action="store_true", help="the small grid of the default test run")
@@ -473,9 +481,12 @@ def _parser() -> Parser:
 
 
 def _save(path: Path | None, device: str, rows: list[dict], headlines: list[dict]) -> None:
-    if path:  # after every row: a long grid leaves what it measured
-        path.write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": rows,
-                                    "headline": headlines}, indent=1))
+    """After every row, whole or not at all: a long grid cut short leaves what it measured."""
+    from visppo.atomic import atomic_write_text
+
+    if path:
+        atomic_write_text(path, json.dumps({"device": device, "torch": torch.__version__, "rows": rows,
+                                            "headline": headlines}, indent=1))
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -490,6 +501,8 @@ def check(args: argparse.Namespace) -> str | None:
         return f"--threads must be at least 0, got {args.threads}"
     if args.json is not None and not args.json.parent.is_dir():
         return f"--json {args.json}: folder {args.json.parent} does not exist"
+    if args.json is not None and args.json.is_dir():
+        return f"--json {args.json} is a folder: give a file name, e.g. {args.json / 'probe_validation.json'}"
     if args.one is not None:
         try:
             row = json.loads(args.one)
@@ -539,7 +552,13 @@ def main(argv: list[str] | None = None) -> int:
             print(format_row(r), flush=True)
             _save(args.json, args.device, results, headlines)
         print(f"capped and uncapped: {limits_summary(results)}")
-    return 0 if all(h["passed"] for h in headlines) else 1
+    return exit_code(results, headlines)
+
+
+def exit_code(rows: list[dict], headlines: list[dict]) -> int:
+    """0 when every row (uncapped and capped) and every headline passed, else 1."""
+    failed = any(within_limits(r) for r in rows) or not all(h["passed"] for h in headlines)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from visppo.config import Config
 from visppo.envs import make_env
 from visppo.policy import ActorCritic
 from visppo.precision import acting_precision
+from visppo.probe import probe
 
 CLEARLY_FASTER = 1.5
 
@@ -51,6 +52,14 @@ def random_obs(obs_space, n: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def micro_batch_on(cfg: Config, device: torch.device) -> int:
+    """The micro-batch training would use on ``device``: ``memory.micro_batch_size=auto`` asks the
+    probe for the largest under ``memory.budget`` (fake mode), as ``visppo train`` does at start-up."""
+    if cfg.memory.micro_batch_size != "auto":
+        return cfg.micro_batch
+    return probe(cfg, cfg.memory.budget, str(device), mode="fake").micro_batch_size
+
+
 def bench_devices(cfg: Config, repeats: int = 5) -> dict:
     """Median seconds of one act pass and one micro-batch update per device, and a placement."""
     env = make_env(cfg)
@@ -62,7 +71,7 @@ def bench_devices(cfg: Config, repeats: int = 5) -> dict:
         precision = acting_precision(cfg.train.amp, device)
         policy: ActorCritic = build_policy(cfg, obs_space, action_space, device, load_weights=False)
         act_obs = random_obs(obs_space, cfg.ppo.num_envs)
-        micro = cfg.micro_batch
+        micro = micro_batch_on(cfg, device)
         upd_obs = {k: v.to(device) for k, v in random_obs(obs_space, micro).items()}
         with torch.no_grad():
             actions, _, _ = policy.act(upd_obs)

@@ -145,14 +145,11 @@ def reduce_minibatch(params: list[nn.Parameter], stats: Mapping[str, torch.Tenso
     has none), then the statistics (same keys, same order), then the failure flag. Gradients
     come back averaged into ``.grad`` where a rank has one (a frozen trunk keeps ``None``, so Adam
     does not move it), unless some rank failed: then the minibatch is redone by every rank.
-    Like DistributedDataParallel's bucket, the buffer costs one copy of the gradients.
+    Like DistributedDataParallel's bucket, the buffer costs one copy of the gradients, and no more:
+    :func:`_flat_buffer` writes each gradient straight into it.
     """
     keys = list(stats)
-    device = _comm_device()
-    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device, torch.float32)
-             for p in params]
-    tail = torch.tensor([float(stats[k]) for k in keys] + [float(failed)], dtype=torch.float32, device=device)
-    flat = torch.cat([*parts, tail])
+    flat = _flat_buffer(params, [float(stats[k]) for k in keys] + [float(failed)], _comm_device())
     dist.all_reduce(flat)
     flat /= dist.get_world_size()
     anyone_failed = bool(flat[-1] > 0)
@@ -165,6 +162,26 @@ def reduce_minibatch(params: list[nn.Parameter], stats: Mapping[str, torch.Tenso
             offset += n
     means = dict(zip(keys, flat[-1 - len(keys):-1].tolist()))
     return means, anyone_failed
+
+
+def _flat_buffer(params: list[nn.Parameter], tail: list[float], device: torch.device) -> torch.Tensor:
+    """One preallocated fp32 buffer: every parameter's gradient flattened in order (zeros where it
+    has none), then ``tail``. Each gradient is copied into its slice: flattening a gradient that is
+    not contiguous (a channels_last convolution's) first would copy it, and a list of such copies
+    alive while they are concatenated held about twice the buffer (more than the probe's
+    ``allreduce_buffer`` line counts)."""
+    total = sum(p.numel() for p in params)
+    flat = torch.empty(total + len(tail), dtype=torch.float32, device=device)
+    offset = 0
+    for p in params:
+        part = flat[offset:offset + p.numel()].view(p.shape)
+        if p.grad is None:
+            part.zero_()
+        else:
+            part.copy_(p.grad)
+        offset += p.numel()
+    flat[total:].copy_(torch.tensor(tail, dtype=torch.float32))
+    return flat
 
 
 def _comm_device() -> torch.device:

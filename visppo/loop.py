@@ -420,7 +420,7 @@ def collect_rollout(run: Run) -> list[dict]:
         run.acting.sync(run.policy)
     actor = run.acting.module if run.acting is not None else run.policy
     episodes = collect(run.envs, actor, run.buffer, run.state, run.rollout_device,
-                       run.precision.acting.autocast())
+                       run.precision.acting.autocast(), chunk=run.setup.sizes.chunk)
     if run.reward_scale is not None:
         scale_rewards(run.buffer, run.reward_scale, run.ctx)
     return episodes

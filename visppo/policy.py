@@ -75,8 +75,15 @@ class ActorCritic(nn.Module):
         """Load ``model.encoder_weights`` (none | imagenet | PATH) into the encoders; ConfigError if it does not fit."""
         load_encoder_weights(self.encoders(), spec, self.encoder_name)
 
-    def _features(self, obs: Obs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(actor's, critic's) features: the same tensor when the encoder is shared."""
+    def _features(self, obs: Obs, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(actor's, critic's) features: the same tensor when the encoder is shared. ``chunk``: the
+        encoders see at most that many observations at a time (0: all), so a no-grad pass over many
+        envs holds one chunk's activations; the features themselves are a few hundred numbers each."""
+        n = len(next(iter(obs.values())))
+        if 0 < chunk < n:
+            parts = [self._features({k: v[i:i + chunk] for k, v in obs.items()}) for i in range(0, n, chunk)]
+            actor = torch.cat([a for a, _ in parts])
+            return actor, actor if self.critic_encoder is None else torch.cat([c for _, c in parts])
         feats = self.encoder(obs)
         return feats, feats if self.critic_encoder is None else self.critic_encoder(obs)
 
@@ -100,10 +107,12 @@ class ActorCritic(nn.Module):
     def _entropy(self, dist: Distribution) -> torch.Tensor:
         return dist.entropy() if self.discrete else dist.entropy().sum(-1)
 
-    def act(self, obs: Obs, deterministic: bool = False):
+    def act(self, obs: Obs, deterministic: bool = False, chunk: int = 0):
         """Sample actions (a Gaussian's unclipped) with their log-probs and the values, for collection.
-        Deterministic: the mode of a categorical, the mean of a Gaussian."""
-        actor_feats, critic_feats = self._features(obs)
+        Deterministic: the mode of a categorical, the mean of a Gaussian. ``chunk``: the encoders'
+        most observations per pass (0: all); the actions are drawn in one call over the whole batch
+        whatever it is, as a chunked draw would take other samples from the same RNG state."""
+        actor_feats, critic_feats = self._features(obs, chunk)
         dist = self._dist(actor_feats)
         if deterministic:
             action = dist.probs.argmax(-1) if self.discrete else dist.mean
@@ -117,5 +126,9 @@ class ActorCritic(nn.Module):
         dist = self._dist(actor_feats)
         return self._log_prob(dist, action), self._entropy(dist), self._value(critic_feats)
 
-    def value(self, obs: Obs) -> torch.Tensor:
+    def value(self, obs: Obs, chunk: int = 0) -> torch.Tensor:
+        """The values alone (the critic's encoder only); ``chunk`` as in :meth:`act`."""
+        n = len(next(iter(obs.values())))
+        if 0 < chunk < n:
+            return torch.cat([self.value({k: v[i:i + chunk] for k, v in obs.items()}) for i in range(0, n, chunk)])
         return self._value(self.encoder(obs) if self.critic_encoder is None else self.critic_encoder(obs))

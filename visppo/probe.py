@@ -84,14 +84,27 @@ from visppo.precision import Precision, autocast_dtype
 def _backward_pass(policy: ActorCritic, buf: RolloutBuffer, index: torch.Tensor, adv: torch.Tensor,
                    cfg: Config, device: torch.device, precision: Precision) -> None:
     """One micro-batch of the real update: forward, PPO loss, backward into ``.grad``."""
-    setup = UpdateSetup(cfg.ppo, MemorySizes(len(index), len(index)), device, precision)
+    setup = UpdateSetup(cfg.ppo, FixedSizes(len(index), len(index)), device, precision)
     minibatch_gradient(policy, buf, index, adv, setup)
+
+
+class PassOutOfMemory(MemoryError):
+    """The measured pass ran out of memory at its size: that size does not fit."""
+
+
+class FixedSizes(MemorySizes):
+    """Sizes that never back off. Training halves a size that runs out of memory and retries
+    (:func:`visppo.ppo.with_oom_backoff`); in the probe that retry would measure the smaller size
+    and report the one that ran out of memory as fitting, so the first out-of-memory ends the pass."""
+
+    def halve(self, which: str) -> None:
+        raise PassOutOfMemory(f"out of memory at {which}={getattr(self, which)} (the probe does not back off)")
 
 
 def _no_grad_pass(policy: ActorCritic, buf: RolloutBuffer, size: int, device: torch.device,
                   precision: Precision) -> None:
-    """One chunk of the real no-grad pass (values and log-probs of ``size`` samples)."""
-    infer(policy, buf.flat_obs(), buf.flat(buf.actions), MemorySizes(0, size), device, precision)
+    """One chunk of the real no-grad pass (values and log-probs of ``size`` samples), at that size."""
+    infer(policy, buf.flat_obs(), buf.flat(buf.actions), FixedSizes(0, size), device, precision)
 
 
 # --------------------------------------------------------------------------- what a GPU adds
@@ -439,18 +452,18 @@ class Prober:
         return lambda: _backward_pass(self.policy, buf, index, adv, self.cfg, self.run_device, precision)
 
     def _run_measured(self, run: Callable[[], None], meter: _StepMeter) -> tuple[int | None, int, int]:
-        """``(peak, peak in allocator blocks, hidden kernel workspace at the peak)``; peak None on a
-        device out-of-memory error."""
-        if self.run_device.type == "cuda":
-            try:
+        """``(peak, peak in allocator blocks, hidden kernel workspace at the peak)``; peak None when
+        the pass ran out of memory (on a GPU or on the CPU alike): the size does not fit."""
+        try:
+            if self.run_device.type == "cuda":
                 peak = peak_bytes(run, self.run_device)
-            except Exception as exc:
-                if is_oom(exc):
-                    return None, 0, 0
-                raise
-            return peak, peak, 0  # the allocator's statistic already holds its rounding
-        with meter:
-            run()
+                return peak, peak, 0  # the allocator's statistic already holds its rounding
+            with meter:
+                run()
+        except Exception as exc:
+            if is_oom(exc):
+                return None, 0, 0
+            raise
         return meter.peak, meter.blocks_peak, meter.workspace_peak - meter.peak
 
     def measure(self, kind: str, size: int, limit: int) -> Candidate:
@@ -461,10 +474,12 @@ class Prober:
 
 def emulate_smaller_card(budget_bytes: int, device: torch.device) -> None:
     """In real mode on a bigger GPU, cap this process at ``budget_bytes`` so that sizes that
-    would not fit the target card really raise out-of-memory here."""
-    total = torch.cuda.get_device_properties(device).total_memory
+    would not fit the target card really raise out-of-memory here. ``cuda`` without an index is
+    the current GPU (``set_per_process_memory_fraction`` refuses a device without one)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
     if budget_bytes < total:
-        torch.cuda.set_per_process_memory_fraction(budget_bytes / total, device)
+        torch.cuda.set_per_process_memory_fraction(budget_bytes / total, index)
 
 
 MARGIN = 0.10

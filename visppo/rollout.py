@@ -9,6 +9,11 @@ ends an episode already returns the next episode's first observation, and the
 final observation is in ``info["final_obs"]``. For a truncated (not terminated)
 episode, its value is the bootstrap that GAE needs, as Stable-Baselines3 does;
 a terminated one bootstraps with 0.
+
+Memory: with ``chunk`` (the run's ``memory.infer_chunk_size``), both no-grad passes of a step,
+acting and the truncated episodes' bootstrap values, run the encoders over at most ``chunk``
+observations at a time (:meth:`ActorCritic.act`); the actions are still drawn in one call over
+all envs, so the chunk size never changes what is sampled.
 """
 
 from __future__ import annotations
@@ -78,13 +83,14 @@ def _stack_final(final_obs: np.ndarray, index: np.ndarray) -> dict[str, np.ndarr
 
 def collect(envs: gym.vector.VectorEnv, policy: ActorCritic, buffer: RolloutBuffer,
             state: RolloutState, device: torch.device,
-            autocast: AbstractContextManager | None = None) -> list[dict[str, float]]:
+            autocast: AbstractContextManager | None = None, chunk: int = 0) -> list[dict[str, float]]:
     """Fill ``buffer`` with ``buffer.T`` steps of every env; returns the episodes that ended.
 
     Each ended episode is ``{"return", "length", "success"}`` (success is NaN
     when the env reports no ``is_success``). ``buffer.last_obs`` gets the
     observation after the last step, ``buffer.truncations`` the final
-    observations of episodes cut by a time limit.
+    observations of episodes cut by a time limit. ``chunk``: the most observations
+    one no-grad pass sees (the run's ``memory.infer_chunk_size``; 0: all envs at once).
     """
     autocast = autocast or nullcontext()
     space = envs.single_action_space
@@ -94,8 +100,7 @@ def collect(envs: gym.vector.VectorEnv, policy: ActorCritic, buffer: RolloutBuff
     buffer.truncations = []
     for t in range(buffer.T):
         with torch.inference_mode(), autocast:
-            obs_t = to_torch(state.obs, device)
-            action, logp, value = policy.act(obs_t)
+            action, logp, value = policy.act(to_torch(state.obs, device), chunk=chunk)
         for key, arr in state.obs.items():
             buffer.obs[key][t].copy_(torch.from_numpy(arr))
         action = action.cpu()
@@ -114,7 +119,7 @@ def collect(envs: gym.vector.VectorEnv, policy: ActorCritic, buffer: RolloutBuff
         if bootstrap.size:
             final = {k: torch.from_numpy(v) for k, v in _stack_final(info["final_obs"], bootstrap).items()}
             with torch.inference_mode(), autocast:
-                final_value = policy.value(to_torch(final, device)).float()
+                final_value = policy.value(to_torch(final, device), chunk=chunk).float()
                 buffer.final_values[t, torch.as_tensor(bootstrap)] = final_value.to(buffer.final_values.device)
             buffer.truncations.append((torch.as_tensor(t * buffer.N + bootstrap), final))
         episodes += _ended_episodes(state, reward, terminated | truncated, info, env_id)

@@ -133,7 +133,8 @@ class DMCEnv(gym.Env):
         look: ``"published"`` or ``"fast"`` (no shadows, reflections or skybox).
         action_repeat: suite steps per agent step (one frame rendered per agent step).
         episode_frames: suite steps per episode (1000 in the published protocol).
-        task_kwargs: passed to the suite's task (e.g. ``{"random": 0}``).
+        task_kwargs: passed to the suite's task loader; not ``random``, which every reset replaces
+            with a generator seeded from the episode's seed.
         environment: a dm_control-style env to wrap instead of loading ``domain``/``task``.
     """
 

@@ -359,3 +359,13 @@ def test_gif_when_ffmpeg_is_missing(run_dir, tmp_path, monkeypatch):
         result = evaluate(run_dir, episodes=1, deterministic=True, video=tmp_path / "eval.mp4")
     assert result["video"] == str(tmp_path / "eval.gif")
     assert [p.name for p in tmp_path.iterdir()] == ["eval.gif"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_evaluation_leaves_the_gpus_random_state_as_it_found_it(run_dir):
+    """A periodic evaluation in a GPU run must not reseed the generator the rollout samples from."""
+    torch.cuda.init()
+    torch.cuda.manual_seed_all(123)
+    before = torch.cuda.get_rng_state()
+    evaluate(run_dir, episodes=1, seed=5)
+    assert torch.equal(torch.cuda.get_rng_state(), before)

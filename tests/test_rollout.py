@@ -257,3 +257,43 @@ def test_collect_runs_the_act_and_bootstrap_passes_in_chunks():
     for name in ("actions", "logp", "values", "final_values", "rewards"):
         torch.testing.assert_close(getattr(chunked, name), getattr(whole, name), rtol=1e-5, atol=1e-6, msg=name)
     assert torch.equal(chunked.obs["pixels"], whole.obs["pixels"])
+
+
+class _NanAtTheTimeLimit(gym.Env):
+    """Frames and a state; the episode is cut by a time limit after 2 steps, where the state is NaN
+    (physics that blew up on the last step): only the final observation, which autoreset replaces,
+    shows it."""
+
+    observation_space = gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (3, 8, 8), np.uint8),
+                                         "state": gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)})
+    action_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+
+    def __init__(self, poisoned: bool):
+        self.poisoned, self.t = poisoned, 0
+
+    def _obs(self, nan: bool = False):
+        return {"pixels": np.zeros((3, 8, 8), np.uint8), "state": np.full(2, np.nan if nan else 0.0, np.float32)}
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        return self._obs(self.poisoned and self.t == 2), 0.0, False, self.t == 2, {}
+
+
+def test_a_non_finite_final_state_at_a_time_limit_names_the_env():
+    """Its value would be the bootstrap of the cut episode: NaN advantages, then skipped steps."""
+    from visppo.env_check import EnvError
+
+    envs = gym.vector.SyncVectorEnv([lambda p=p: _NanAtTheTimeLimit(p) for p in (False, True)],
+                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    try:
+        buf = RolloutBuffer(3, 2, envs.single_observation_space, envs.single_action_space)
+        state = RolloutState.start(envs, seed=0)
+        with pytest.raises(EnvError, match="non-finite final state observation in env 1"):
+            collect(envs, ObsPolicy(1), buf, state, torch.device("cpu"))
+    finally:
+        envs.close()

@@ -302,3 +302,12 @@ def test_the_loop_acts_in_chunks_of_the_inference_chunk_size(tmp_path, monkeypat
     monkeypatch.setattr(loop, "collect", lambda *a, **k: (chunks.append(k.get("chunk")), real(*a, **k))[1])
     train(load_config(None, tiny_overrides(tmp_path, **{"memory.infer_chunk_size": 1})))
     assert chunks == [1, 1]
+
+
+def test_the_episodes_column_counts_every_episode_since_the_previous_row(tmp_path):
+    """run.log_every=2, episodes of 16 steps, 2 envs x 32 steps: 4 episodes end every iteration, 8 a row."""
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"run.log_every": 2, "ppo.total_steps": 256,
+                                                        "env.max_episode_steps": 16}))
+    rows = list(csv.DictReader((train(cfg) / "metrics.csv").open()))
+    assert [int(r["iteration"]) for r in rows] == [2, 4]
+    assert [int(float(r["episodes"])) for r in rows] == [8, 8]

@@ -255,10 +255,18 @@ def check_rollout_step(env_id: str, reward: np.ndarray, obs: dict[str, np.ndarra
         i = int(np.flatnonzero(bad)[0])
         raise EnvError(f"env {env_id} returned a non-finite reward ({reward[i]}) in env {i} (a reward of None "
                        f"reads as nan): {FIX}")
+    check_state(env_id, obs)
+
+
+def check_state(env_id: str, obs: dict[str, np.ndarray], envs: np.ndarray | None = None,
+                what: str = "state observation") -> None:
+    """A batch of observations (of the vector env's ``envs``, default 0..n-1) has a finite state
+    vector, else an EnvError naming the env."""
     state = obs.get("state")
     if state is not None and not np.isfinite(state).all():
         i = int(np.flatnonzero(~np.isfinite(state).all(axis=tuple(range(1, state.ndim))))[0])
-        raise EnvError(f"env {env_id} returned a non-finite state observation in env {i}: {FIX}")
+        raise EnvError(f"env {env_id} returned a non-finite {what} in env "
+                       f"{i if envs is None else int(envs[i])}: {FIX}")
 
 
 def success_of(value: Any, env_id: str) -> float:

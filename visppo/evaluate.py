@@ -51,7 +51,7 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
     under ``torch.inference_mode`` and clipped to a Box action space's bounds,
     as in training. Sampling draws from a torch RNG seeded with ``seed`` inside
     ``torch.random.fork_rng``, so stochastic evaluations are repeatable too and
-    the caller's RNG state is untouched. Acting uses ``train.threads`` torch
+    the caller's RNG states (the CPU's and every initialised GPU's) are untouched. Acting uses ``train.threads`` torch
     threads, or 1 when it is 0 (the caller's setting is restored afterwards).
 
     Returns ``{"episodes", "mean_return", "std_return", "success_rate",
@@ -81,7 +81,10 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
         if video is not None:
             video.parent.mkdir(parents=True, exist_ok=True)  # only now: the checks before have passed
         writer_cm = video_writer(video, video_fps(env, cfg.env.action_repeat)) if video is not None else no_writer()
-        with writer_cm as writer, torch.random.fork_rng(devices=[]), torch.inference_mode():
+        # torch.manual_seed reseeds every GPU's generator too: keep them all, or a run's rollout
+        # would go on drawing from a state set by the evaluation's seed (the same in every run)
+        gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with writer_cm as writer, torch.random.fork_rng(devices=gpus), torch.inference_mode():
             torch.manual_seed(seed)
             record = ((lambda obs: writer.append(compose_frame(obs["pixels"], cfg.env.frame_stack, render_view)))
                       if writer is not None else None)

@@ -116,6 +116,8 @@ class Run:
     """With ``train.profile``: records the third iteration (rank 0)."""
     recent: list[dict] = field(default_factory=list)
     """The last 100 finished episodes (all ranks'), for the logged means."""
+    ended_since_row: int = 0
+    """Episodes finished (all ranks) since the last metrics row: its ``episodes`` column."""
     bad_in_a_row: int = 0
     """Optimizer steps skipped in a row for a non-finite loss or gradient."""
     flat_critic: int = 0
@@ -445,7 +447,8 @@ def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult, va
     if run.ctx.enabled:  # every rank's episodes, for the logs
         episodes = [e for part in distributed.all_gather(episodes) for e in part]
     run.recent = (run.recent + episodes)[-100:]
-    scalars = iteration_scalars(iteration, episodes, run.recent, run.optimizer, result, value_fit,
+    run.ended_since_row += len(episodes)
+    scalars = iteration_scalars(iteration, run.ended_since_row, run.recent, run.optimizer, result, value_fit,
                                 seconds, run.global_rollout / wall)
     last = iteration == run.num_iterations
     if run.cfg.run.eval_every:  # the columns exist from the first row: the CSV header is fixed then
@@ -457,6 +460,7 @@ def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult, va
         if iteration % run.cfg.run.log_every == 0 or last:
             scalars.update(health_scalars(run))
             run.logger.log(run.global_step, scalars)
+            run.ended_since_row = 0
         run.logger.progress(run.global_rollout, progress_line(scalars))
     if run.profiler is not None:
         run.profiler.step()  # one profiler step per iteration
@@ -545,17 +549,18 @@ def periodic_eval(policy: ActorCritic, cfg: Config, run_dir: Path, iteration: in
             "eval/success": float("nan") if success is None else success}
 
 
-def iteration_scalars(iteration: int, episodes: list[dict], recent: list[dict],
+def iteration_scalars(iteration: int, ended: int, recent: list[dict],
                       optimizer: torch.optim.Optimizer, result: UpdateResult, value_fit: float,
                       seconds: dict[str, float], steps_per_second: float) -> dict[str, float]:
-    """One row of metrics.csv: episode stats over the last 100 episodes, losses, phase times
-    (``time/log`` is the previous iteration's eval, logging and checkpoint: 0 in the first row)."""
+    """One row of metrics.csv: episode stats over the last 100 episodes, the ``ended`` episodes since
+    the previous row, losses, phase times (``time/log`` is the previous iteration's eval, logging
+    and checkpoint: 0 in the first row)."""
     seconds = {**seconds, "log": seconds.get("log", 0.0)}
     return {
         "iteration": iteration,
         "episode_return": _mean(e["return"] for e in recent),
         "episode_success": _mean(e["success"] for e in recent),
-        "episodes": len(episodes),
+        "episodes": ended,
         "lr": optimizer.param_groups[0]["lr"],
         "steps_per_second": steps_per_second,
         "optimizer_steps": result.optimizer_steps,

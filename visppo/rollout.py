@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from visppo.buffer import RolloutBuffer
-from visppo.env_check import check_rollout_step, success_of
+from visppo.env_check import check_rollout_step, check_state, success_of
 from visppo.envs import worker_errors
 from visppo.policy import ActorCritic
 
@@ -117,7 +117,9 @@ def collect(envs: gym.vector.VectorEnv, policy: ActorCritic, buffer: RolloutBuff
         buffer.final_values[t] = 0.0
         bootstrap = np.flatnonzero(truncated & ~terminated)
         if bootstrap.size:
-            final = {k: torch.from_numpy(v) for k, v in _stack_final(info["final_obs"], bootstrap).items()}
+            final_np = _stack_final(info["final_obs"], bootstrap)
+            check_state(env_id, final_np, bootstrap, "final state observation")  # its value is a bootstrap
+            final = {k: torch.from_numpy(v) for k, v in final_np.items()}
             with torch.inference_mode(), autocast:
                 final_value = policy.value(to_torch(final, device), chunk=chunk).float()
                 buffer.final_values[t, torch.as_tensor(bootstrap)] = final_value.to(buffer.final_values.device)

@@ -41,6 +41,9 @@ def test_sb3_trains_on_visppo_env_and_is_evaluated_on_the_evaluation_stream(tmp_
     assert (config["ppo"]["total_steps"], config["train"]["seed"], config["env"]["id"]) == (64, 3, "visppo/DotReach-v0")
     rows = (out / "metrics.csv").read_text().splitlines()
     assert rows[0] == "global_step,episode_return" and rows[-1].startswith("64,")
+    ran = json.loads((out / "sb3.json").read_text())  # what SB3 ran with, not visppo's ppo.* keys
+    assert (ran["n_steps"], ran["batch_size"], ran["n_epochs"], ran["n_envs"]) == (32, 32, 1, 2)
+    assert (ran["learning_rate"], ran["clip_range"], ran["target_kl"]) == (3e-4, 0.2, None)  # SB3's defaults
 
 
 def test_bad_arguments_exit_2_and_write_nothing(tmp_path, capsys):

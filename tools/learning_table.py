@@ -265,12 +265,17 @@ def read_rows(run_dir: Path) -> list[dict[str, float]]:
 
 
 def value_at(rows: list[dict[str, float]], column: str, step: int) -> float:
-    """The last finite value of ``column`` logged at or before ``step`` (NaN if the run is shorter)."""
+    """``column`` at ``step``: its value at the first row at or after it (the iteration that crossed
+    the step; a rollout rarely divides it), or, where the column is not logged there (a periodic
+    evaluation), the last value before it; NaN if the run is shorter (by more than 2%)."""
     if not rows or rows[-1]["global_step"] < step * 0.98:  # within the last iteration's rounding
         return math.nan
-    found = [r[column] for r in rows
-             if r["global_step"] <= step * 1.02 and math.isfinite(r.get(column, math.nan))]
-    return found[-1] if found else math.nan
+    finite = [r for r in rows if math.isfinite(r.get(column, math.nan))]
+    crossing = next((r for r in rows if r["global_step"] >= step), rows[-1])
+    if math.isfinite(crossing.get(column, math.nan)):
+        return crossing[column]
+    before = [r[column] for r in finite if r["global_step"] <= crossing["global_step"]]
+    return before[-1] if before else math.nan
 
 
 def wall_minutes(rows: list[dict[str, float]], step: int) -> float:
@@ -278,10 +283,10 @@ def wall_minutes(rows: list[dict[str, float]], step: int) -> float:
     (NaN when the run did not log its speed, as tools/sb3_dmc.py's runs do not)."""
     total, previous = 0.0, 0.0
     for r in rows:
-        if r["global_step"] > step * 1.02:
-            break
         total += (r["global_step"] - previous) / r.get("steps_per_second", math.nan)
         previous = r["global_step"]
+        if previous >= step:  # the iteration that crossed the step, as value_at reads it
+            break
     return total / 60
 
 
@@ -401,18 +406,27 @@ def iqm_summary(final: list[dict], reps: int = 50_000, seed: int = 0) -> list[di
         others = [r["task"] for r in final if r["variant"] == variant and r not in rows]
         common = set.intersection(*(set(r["seeds"]) for r in rows)) if rows else set()
         seeds = sorted(common, key=lambda name: seed_number(Path(name)))
+        unused = [f"{r['task']} {s}" for r in rows for s in r["seeds"] if s not in common]
         summary = {"variant": variant, "tasks": [r["task"] for r in rows], "seeds": seeds,
-                   "left_out": others, "iqm": math.nan, "ci": (math.nan, math.nan), "reps": reps}
+                   "left_out": others, "unused_runs": unused, "iqm": math.nan, "ci": (math.nan, math.nan),
+                   "reps": reps}
         scores = np.array([[r["seeds"][s] for r in rows] for s in seeds])  # runs x tasks
         if len(seeds) == 1:  # the stratified bootstrap resamples seeds within each task: one gives no spread
             summary["iqm"] = float(metrics.aggregate_iqm(scores))
             summary["scores"] = scores
         elif seeds:
-            with warnings.catch_warnings():  # arch: RandomState is deprecated in favour of Generator
-                warnings.simplefilter("ignore", FutureWarning)
-                point, interval = rly.get_interval_estimates(
-                    {"score": scores}, lambda x: np.array([metrics.aggregate_iqm(x)]), reps=reps,
-                    random_state=np.random.RandomState(seed))
+            # rliable 1.2 resamples with numpy's global RNG whatever random_state says: seed that
+            # too (and put it back), or the interval would change from one printing to the next
+            global_state = np.random.get_state()
+            np.random.seed(seed)
+            try:
+                with warnings.catch_warnings():  # arch: RandomState is deprecated in favour of Generator
+                    warnings.simplefilter("ignore", FutureWarning)
+                    point, interval = rly.get_interval_estimates(
+                        {"score": scores}, lambda x: np.array([metrics.aggregate_iqm(x)]), reps=reps,
+                        random_state=np.random.RandomState(seed))
+            finally:
+                np.random.set_state(global_state)
             summary["iqm"] = float(point["score"][0])
             summary["ci"] = (float(interval["score"][0, 0]), float(interval["score"][1, 0]))
             summary["scores"] = scores
@@ -430,14 +444,18 @@ def published_at(env_id: str, step: int) -> list[tuple[str, float, str]]:
 
 
 def mean_std(values: list[float]) -> tuple[float, float, int]:
+    """Mean, sample standard deviation (n - 1; NaN for one value) and count."""
     if not values:
         return (math.nan, math.nan, 0)
-    return (statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0, len(values))
+    return (statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan, len(values))
 
 
 def cell(ms: tuple[float, float, int], digits: int = 2) -> str:
+    """``mean ± std``, or the mean alone for one seed (no spread to give, not a spread of 0)."""
     mean, std, n = ms
-    return "" if n == 0 else f"{mean:.{digits}f} ± {std:.{digits}f}"
+    if n == 0:
+        return ""
+    return f"{mean:.{digits}f}" if n == 1 else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
 def published_text(figures: list[tuple[str, float, str]]) -> str:
@@ -520,6 +538,9 @@ def iqm_line(s: dict) -> str:
         return f"{name}: the DMC tasks {', '.join(s['tasks'])} share no evaluated seed{left}"
     head = (f"{name} over {len(s['tasks'])} DMC task(s) x {len(s['seeds'])} seed(s) "
             f"({', '.join(s['seeds'])}), raw returns (0-1000): **{s['iqm']:.1f}** ")
+    if s.get("unused_runs"):
+        left += (f"; not in the IQM, as not every task has their seed yet: {len(s['unused_runs'])} run(s) "
+                 f"({', '.join(s['unused_runs'])})")
     lo, hi = s["ci"]
     if math.isnan(lo):
         return head + f"(no interval: one seed per task leaves the stratified bootstrap nothing to resample){left}"
@@ -553,7 +574,7 @@ def plot(outs: list[Path], path: Path, column: str = "episode_return") -> None:
 
 
 def _band(ax, runs: list[list[dict[str, float]]], column: str, name: str) -> None:
-    """One variant's mean curve and its +- std band over seeds."""
+    """One variant's mean curve and its +- std band over seeds (sample std, as the tables)."""
     import numpy as np
 
     end = min(r[-1]["global_step"] for r in runs)
@@ -566,7 +587,7 @@ def _band(ax, runs: list[list[dict[str, float]]], column: str, name: str) -> Non
     curves = np.array(curves)
     with warnings.catch_warnings():  # before a run's first episode ends, no seed has a value
         warnings.simplefilter("ignore", RuntimeWarning)
-        mean, std = np.nanmean(curves, 0), np.nanstd(curves, 0)
+        mean, std = np.nanmean(curves, 0), np.nanstd(curves, 0, ddof=1)  # the tables' std; NaN (no band): one seed
     line, = ax.plot(grid, mean, label=f"{name + ', ' if name else ''}{len(runs)} seed(s)")
     ax.fill_between(grid, mean - std, mean + std, alpha=0.25, color=line.get_color())
 

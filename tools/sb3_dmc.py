@@ -13,8 +13,10 @@ and the final policy is evaluated as ``visppo eval RUN --episodes 10 --determini
 would: the evaluation stream, which no training episode uses.
 
 The run folder looks like a visppo run to ``tools/learning_table.py``: ``config.yaml`` (the
-visppo config, ``ppo.total_steps`` the budget), ``metrics.csv`` (``global_step``,
-``episode_return`` per rollout) and ``final_eval.json``.
+visppo config, for its env, ``ppo.total_steps`` the budget, ``ppo.num_envs`` and ``train.seed``;
+its other ``ppo.*`` keys are not what SB3 ran), ``metrics.csv`` (``global_step``,
+``episode_return`` per rollout) and ``final_eval.json``; ``sb3.json`` holds the hyperparameters
+SB3 did run with.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ def train(cfg: Config, seed: int, steps: int, num_envs: int, out: Path, eval_epi
     finally:
         envs.close()
     out.mkdir(parents=True, exist_ok=True)
+    (out / "sb3.json").write_text(json.dumps(hyperparameters(model), indent=2))
     cfg.ppo.total_steps, cfg.ppo.num_envs, cfg.train.seed = steps, num_envs, seed
     (out / "config.yaml").write_text(to_yaml(cfg))
     with (out / "metrics.csv").open("w", newline="") as f:
@@ -115,6 +118,19 @@ def train(cfg: Config, seed: int, steps: int, num_envs: int, out: Path, eval_epi
     result = evaluate(model, cfg, eval_episodes)
     (out / "final_eval.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def hyperparameters(model) -> dict:
+    """What SB3's PPO trained with (its defaults unless overridden), read from the model."""
+    import stable_baselines3
+
+    def value(v):
+        return v(1.0) if callable(v) else v  # a schedule: its value at the start
+
+    names = ("n_steps", "batch_size", "n_epochs", "learning_rate", "gamma", "gae_lambda", "clip_range",
+             "clip_range_vf", "normalize_advantage", "ent_coef", "vf_coef", "max_grad_norm", "target_kl")
+    return {"learner": "stable-baselines3 PPO CnnPolicy", "stable_baselines3": stable_baselines3.__version__,
+            "n_envs": model.n_envs, **{name: value(getattr(model, name)) for name in names}}
 
 
 def main(argv: list[str] | None = None) -> int:

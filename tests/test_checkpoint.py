@@ -120,3 +120,15 @@ def test_latest_is_written_before_the_numbered_checkpoint(tmp_path, monkeypatch)
     monkeypatch.setattr(checkpoint, "atomic_save", lambda state, path: (written.append(path.name), real(state, path)))
     _save(tmp_path, 1, keep=3)
     assert written == ["latest.pt", "iter_000001.pt"]
+
+
+def test_a_bad_checkpoint_points_at_the_newest_written_one_not_the_highest_number(tmp_path):
+    """After a resume from iter 4, the abandoned branch's iter 8 is older than the new branch's 7."""
+    from visppo.checkpoint import _other_checkpoints
+
+    for iteration in (2, 4, 6, 8, 5, 6, 7):
+        _save(tmp_path, iteration, keep=3)
+    folder = tmp_path / "checkpoints"
+    for age, name in enumerate(["iter_000008.pt", "iter_000005.pt", "iter_000006.pt", "iter_000007.pt"]):
+        os.utime(folder / name, ns=(10**18 + age * 10**9,) * 2)  # the order they were written in
+    assert f"--resume {folder / 'iter_000007.pt'} " in _other_checkpoints(folder / "latest.pt")

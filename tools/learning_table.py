@@ -9,7 +9,7 @@
 ``run`` trains every config with every seed (``train.seed=S``, ``train.threads=1``, at most
 ``--parallel`` at once: on 2 cores, 2), each in ``OUT/<config>/seed<S>``, logs in
 ``OUT/<config>/seed<S>.log``; a run that already finished is skipped, one that stopped is
-resumed. When a run finishes, its final policy is evaluated::
+resumed, and a run folder there that another config, seed or override started is refused. When a run finishes, its final policy is evaluated::
 
     visppo eval RUN --episodes N --deterministic --seed 0 --json RUN/final_eval.json
 
@@ -21,11 +21,12 @@ that takes longer than the machine keeps its run folders goes on from what was k
 
 ``table`` reads every ``OUT/<config>/seed*`` run and prints two tables and a summary line:
 
-- the training curve, per config and step count (``--at``): the mean and standard deviation
-  over seeds of the training-rollout return (and success where the task reports it; the mean
-  of the last 100 episodes, as logged), the periodic evaluation return where it ran, the
+- the training curve, per config and step count (``--at``, read at the first row at or after
+  the step): the mean and sample standard deviation over seeds (a one-seed cell: the value
+  alone) of the training-rollout return (and success where the task reports it; the mean of
+  the last 100 episodes, as logged), the periodic evaluation return where it ran, the
   wall-clock minutes, and the published figures at that budget. ``--plot`` draws the curves as
-  mean +- std bands over seeds (``--column``: which metrics.csv column);
+  mean +- sample std bands over seeds (none for one seed; ``--column``: which metrics.csv column);
 - the final policy, per config (task) and variant: the mean +- std over seeds of
   ``final_eval.json``'s ``mean_return``, the number of seeds, the look
   (``env.kwargs.look`` in the run's config.yaml; ``published``, the suite's own, for a suite task
@@ -36,7 +37,8 @@ that takes longer than the machine keeps its run folders goes on from what was k
   ``get_interval_estimates``, ``--reps`` resamples). Scores are the **raw** returns, the
   suite's 0-1000 scale (the convention for DMC): they are not normalised, so other tasks,
   whose returns share no scale, are left out of it. The IQM takes the seeds every DMC task of
-  the variant has, one score per (task, seed); tasks resample their runs separately.
+  the variant has, one score per (task, seed), and names the runs it leaves out; tasks resample
+  their runs separately. The resampling is seeded, so the interval is the same every printing.
 
 ``--per-seed`` adds each seed's return after the mean, in seed order, so a later run of one
 seed can be set beside the same seed of an earlier table. ``--markdown F`` writes what is
@@ -47,7 +49,7 @@ An ablation is one ``run`` folder per variant (``--out runs/abl/<variant>`` with
 the variants of a config in one panel, side by side, and gives each variant its own IQM.
 
 Bad input (a missing config or folder, a step count that is not one, a run folder without its
-config.yaml, ``--parallel 0``) prints one ``error:`` line and exits with 2, writing nothing.
+config.yaml, ``--parallel 0``, a run folder under ``--out`` that another recipe started) prints one ``error:`` line and exits with 2, writing nothing.
 """
 
 from __future__ import annotations
@@ -614,16 +616,17 @@ def build_parser() -> Parser:
     t.add_argument("out", type=Path, nargs="+",
                    help="run folders; several: one per variant of an ablation")
     t.add_argument("--at", nargs="+", default=["100k", "250k", "500k"],
-                   help="step counts of the training-curve rows: each column's last value logged "
-                        "by then, within 2%% (default 100k 250k 500k)")
+                   help="step counts of the training-curve rows: each column at the first row at or "
+                        "after the step (a column not logged there: its last value before; default "
+                        "100k 250k 500k)")
     t.add_argument("--markdown", type=Path, help="also write the tables to this file")
-    t.add_argument("--plot", type=Path, help="draw the curves (mean +- std over seeds) to this image")
+    t.add_argument("--plot", type=Path, help="draw the curves (mean +- sample std over seeds) to this image")
     t.add_argument("--column", default="episode_return",
                    help="metrics.csv column to plot, e.g. eval/success (default: episode_return)")
     t.add_argument("--per-seed", action="store_true",
                    help="add each seed's return after the mean, in seed order")
     t.add_argument("--reps", type=int, default=50_000,
-                   help="bootstrap resamples of the IQM's interval (default 50000, rliable's)")
+                   help="bootstrap resamples of the IQM's interval, seeded (default 50000, rliable's)")
     return parser
 
 

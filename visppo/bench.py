@@ -2,7 +2,8 @@
 
 Times, on each available device, one rollout forward (a batch of
 ``ppo.num_envs`` observations from host memory, as collection does) and one
-micro-batch forward+backward (as the update does), with the config's AMP and
+micro-batch forward+backward (as the update does; with ``memory.micro_batch_size=auto``,
+the probe's size under ``memory.budget`` on that device), with the config's AMP and
 channels_last settings. Training goes to the GPU only when its
 forward+backward is clearly faster there (>= 1.5x): a GPU that is barely faster
 does not pay for the copies and the second policy.

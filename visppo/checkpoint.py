@@ -85,12 +85,18 @@ def non_finite(state: Any) -> str:
 
 
 def _other_checkpoints(path: Path) -> str:
-    """What to do instead of a bad checkpoint: the others of its run, newest first, as commands."""
-    others = sorted((p for p in path.parent.glob("iter_*.pt") if p != path), reverse=True)
+    """What to do instead of a bad checkpoint: the others of its run, newest written first (after a
+    resume from an earlier one, the abandoned branch's higher numbers are older), as commands."""
+    others = _newest_first(p for p in path.parent.glob("iter_*.pt") if p != path)
     if path.parent.name != "checkpoints" or not others:
         return ": use another checkpoint"
     return (f": use an earlier one of the run, e.g. visppo train --resume {others[0]} (or visppo eval "
             f"{others[0]}); the run has {', '.join(p.name for p in others[:4])}")
+
+
+def _newest_first(paths) -> list[Path]:
+    """Checkpoints, the most recently written first (the name breaks ties)."""
+    return sorted(paths, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
 
 
 def read_weights_file(path: Path) -> dict:
@@ -239,9 +245,9 @@ def resume_paths(source: str | Path) -> tuple[Path, Path]:
         raise ConfigError(f"--resume {source} is not a run directory (no config.yaml): give the directory "
                           "a run printed at its start, or one of its checkpoints/iter_N.pt")
     if not latest.is_file():
-        numbered = sorted((run_dir / "checkpoints").glob("iter_*.pt"))
-        if numbered:  # a kill between the numbered save and latest.pt
-            return run_dir, numbered[-1]
+        numbered = _newest_first((run_dir / "checkpoints").glob("iter_*.pt"))
+        if numbered:  # latest.pt was deleted or moved away: the newest numbered one
+            return run_dir, numbered[0]
         raise ConfigError(f"--resume {source}: the run stopped before its first checkpoint, there is nothing "
                           f"to resume; start it again with: visppo train {run_dir / 'config.yaml'} "
                           f"run.dir=NEW_DIR (or delete {run_dir})")

@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a YAML file from configs/ and/or overrides such as ppo.num_envs=4")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a run from its checkpoints/latest.pt, or from RUN_DIR/checkpoints/iter_N.pt "
-                        "(may raise ppo.total_steps)")
+                        "(overrides only for ppo.total_steps, run.progress, run.tensorboard, run.log_every, "
+                        "run.checkpoint_every, run.keep_checkpoints, train.threads, train.max_bad_steps)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("bench", help="bench devices: time acting and one micro-batch update per device")
     p.add_argument("what", choices=["devices"], help="what to benchmark")

@@ -56,7 +56,7 @@ class EnvConfig:
     vector: str = "auto"
     """sync | async | auto: async worker processes (forkserver) for rendered envs when this process may use more than 2 CPUs, and always for a user's module:EnvId env (its crash is then one error line); sync otherwise, and for the synthetic tasks. sync runs a module:EnvId env in this process (faster on 2 CPUs; a segfault then ends the run with no message)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for the env's constructor, through gymnasium.make (e.g. env.kwargs.look=fast for dmc ids)."""
+    """Keyword arguments for the env's constructor, through gymnasium.make (e.g. env.kwargs.look=fast for dmc ids); a mapping."""
 
 
 @dataclass
@@ -140,7 +140,7 @@ class MemoryConfig:
     micro_batch_size: Union[int, str] = 0  # noqa: UP007  (OmegaConf needs typing.Union)
     """Samples per backward pass, gradients accumulate to the minibatch; 0: whole minibatch; auto: probe memory.budget. Never changes the maths."""
     infer_chunk_size: Union[int, str] = 1024  # noqa: UP007
-    """Samples per no-grad forward pass (values, logp_old); auto: probe memory.budget. Never changes the maths."""
+    """Samples per no-grad encoder pass (acting over the envs, bootstrap values, logp_old, values); auto: probe memory.budget. Never changes the maths."""
     budget: str = "8GiB"
     """Device memory budget for the probe and for auto sizes (e.g. 8GiB, 6000MB)."""
     buffer_device: str = "cpu"
@@ -182,7 +182,7 @@ class RunConfig:
     checkpoint_every: int = 10
     """Save a checkpoint every this many iterations (and at the end)."""
     keep_checkpoints: int = 3
-    """Numbered checkpoints to keep besides latest.pt."""
+    """Numbered checkpoints to keep besides latest.pt (the newest up to the run's iteration)."""
     eval_every: int = 0
     """Evaluate every this many iterations (and at the end); 0 disables."""
     eval_episodes: int = 5

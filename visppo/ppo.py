@@ -4,7 +4,8 @@ Two memory knobs (:class:`MemorySizes`), neither of which changes the maths:
 
 - ``chunk`` (``memory.infer_chunk_size``): every no-grad pass (bootstrap
   values, recomputed ``logp_old`` and values) runs over at most this many
-  samples at a time (:func:`infer`).
+  samples at a time (:func:`infer`); collection's acting pass runs its encoders
+  in chunks of the same size (``rollout.collect``).
 - ``micro`` (``memory.micro_batch_size``): each minibatch's backward runs in
   slices of this many samples. A slice's loss is ``sum(per-sample loss) /
   minibatch_size``, so the summed gradients are the minibatch's gradient, also
@@ -13,8 +14,9 @@ Two memory knobs (:class:`MemorySizes`), neither of which changes the maths:
   fraction) is computed over the whole minibatch, never per slice. One clip and
   one optimizer step per minibatch.
 
-An out-of-memory error in any pass halves the size concerned and retries the
-same chunk or minibatch (:func:`with_oom_backoff`): the result is the same.
+An out-of-memory error in a pass of the update (:func:`infer`, a micro-batch) halves the size
+concerned and retries the same chunk or minibatch (:func:`with_oom_backoff`): the result is the
+same. The acting pass does not back off.
 
 Under torchrun every rank accumulates its own minibatch's gradient locally;
 then one all-reduce per minibatch averages the gradients, the minibatch

@@ -411,25 +411,18 @@ def _out_of_memory_above(samples: int, monkeypatch) -> None:
     monkeypatch.setattr(ActorCritic, "score_actions", score_actions)
 
 
-def test_real_mode_a_chunk_that_runs_out_of_memory_does_not_fit(monkeypatch):
-    """The measured no-grad pass must not back off (halve the chunk and retry, as training's does):
-    the retry at a smaller chunk would report the size that ran out of memory as fitting."""
+@pytest.mark.parametrize("kind, too_big, size_field", [
+    ("infer_chunk", 32, "infer_chunk_size"), ("micro_batch", 16, "micro_batch_size")])
+def test_real_mode_a_size_that_runs_out_of_memory_does_not_fit(monkeypatch, kind, too_big, size_field):
+    """The measured pass must not back off (halve and retry, as training's does): the retry at a
+    smaller size would report the size that ran out of memory as fitting. On the CPU as on a GPU,
+    out-of-memory in the measured pass means "does not fit", not a crash."""
     _out_of_memory_above(8, monkeypatch)
     cfg = load_config(None, tiny_overrides())
     prober = Prober(cfg, torch.device("cpu"), "real")
-    assert not prober.measure("infer_chunk", 32, 2**62).fits
-    assert prober.measure("infer_chunk", 8, 2**62).fits
-    assert probe(cfg, "64GiB", "cpu", "real").infer_chunk_size == 8
-
-
-def test_real_cpu_mode_a_micro_batch_that_runs_out_of_memory_does_not_fit(monkeypatch):
-    """On the CPU as on a GPU, out-of-memory in the measured step means "does not fit", not a crash."""
-    _out_of_memory_above(8, monkeypatch)
-    cfg = load_config(None, tiny_overrides())
-    prober = Prober(cfg, torch.device("cpu"), "real")
-    assert not prober.measure("micro_batch", 16, 2**62).fits
-    assert prober.measure("micro_batch", 8, 2**62).fits
-    assert probe(cfg, "64GiB", "cpu", "real").micro_batch_size == 8
+    assert not prober.measure(kind, too_big, 2**62).fits
+    assert prober.measure(kind, 8, 2**62).fits
+    assert getattr(probe(cfg, "64GiB", "cpu", "real"), size_field) == 8
 
 
 def test_allreduce_line_is_the_flat_gradient_copy_when_parameters_outweigh_the_pass():

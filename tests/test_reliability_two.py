@@ -129,14 +129,14 @@ def test_item4_a_full_disk_during_torch_save_is_one_line_and_the_last_checkpoint
         f = real_fdopen(fd, mode, *args, **kw)
         if "b" in mode and ".pt." in os.readlink(f"/proc/self/fd/{fd}"):
             saves.append(1)
-            if len(saves) > 2:  # iteration 1's iter_000001.pt and latest.pt fit; iteration 2's does not
+            if len(saves) > 2:  # iteration 1's latest.pt and iter_000001.pt fit; iteration 2's latest.pt does not
                 return _FullAfter(f, 1000)
         return f
 
     monkeypatch.setattr(atomic_module.os, "fdopen", fdopen)
     code, err = run_main(capsys, "train", *tiny_overrides(tmp_path, **{"run.checkpoint_every": 1}))
     assert code == 1, err
-    one_error_line(err, "no space left on the device writing", "iter_000002.pt",
+    one_error_line(err, "no space left on the device writing", "latest.pt",
                    f"visppo train --resume {tmp_path / 'run'}")
     assert "Traceback" not in err and "enforce fail" not in err
     assert torch.load(tmp_path / "run" / "checkpoints" / "latest.pt", weights_only=True)["iteration"] == 1

@@ -105,7 +105,10 @@ def test_the_folder_holds_weights_config_and_a_model_card_and_loads(run_dir, rec
     evaluation = json.loads((run_dir / "final_eval.json").read_text())
     out = exported(run_dir, tmp_path, capsys, "folder")
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.yaml", "model.safetensors", "policy.json"]
-    assert yaml.safe_load((out / "config.yaml").read_text())["ppo"]["total_steps"] == 64
+    exported_cfg, run_cfg = (yaml.safe_load((d / "config.yaml").read_text()) for d in (out, run_dir))
+    assert exported_cfg["ppo"]["total_steps"] == 64
+    # the run's config as it trained, devices included (rollout.device auto, not the CPU it loads on)
+    assert {k: exported_cfg[k] for k in ("train", "rollout")} == {k: run_cfg[k] for k in ("train", "rollout")}
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: visppo\n")  # the Hub's front matter
     from visppo.seeding import EVAL, episode_seed

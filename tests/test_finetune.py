@@ -265,3 +265,18 @@ def test_accumulated_gradient_equals_full_minibatch_gradient_resnet():
     _assert_same_grads(full, acc, atol=1e-7)
     for k in full_stats:
         assert float(acc_stats[k]) == pytest.approx(float(full_stats[k]), rel=1e-5, abs=1e-7), k
+
+
+def test_an_encoder_lr_scale_of_zero_freezes_the_trunk_for_good(tmp_path):
+    """Scale 0: the trunk stays as loaded and takes no part in the update: no gradient (so none in
+    the gradient-norm clip) and no Adam state, as while freeze_encoder_updates holds it."""
+    run_a = train(load_config(None, tiny_overrides(tmp_path / "a")))
+    source = torch.load(run_a / "checkpoints" / "latest.pt", weights_only=True)["model"]
+    cfg = load_config(None, tiny_overrides(tmp_path / "b", **{
+        "model.encoder_weights": run_a / "checkpoints" / "latest.pt", "model.encoder_lr_scale": 0.0}))
+    ckpt = torch.load(train(cfg) / "checkpoints" / "latest.pt", weights_only=True)
+    heads, trunk = ckpt["optimizer"]["param_groups"]
+    assert trunk["params"] and not any(i in ckpt["optimizer"]["state"] for i in trunk["params"])
+    assert all(i in ckpt["optimizer"]["state"] for i in heads["params"])
+    trunk_keys = [k for k in source if k.startswith("encoder.pixels.convs")]
+    assert trunk_keys and all(torch.equal(ckpt["model"][k], source[k]) for k in trunk_keys)

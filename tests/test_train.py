@@ -311,3 +311,13 @@ def test_the_episodes_column_counts_every_episode_since_the_previous_row(tmp_pat
     rows = list(csv.DictReader((train(cfg) / "metrics.csv").open()))
     assert [int(r["iteration"]) for r in rows] == [2, 4]
     assert [int(float(r["episodes"])) for r in rows] == [8, 8]
+
+
+def test_every_periodic_evaluation_gets_a_row_whatever_log_every_is(tmp_path):
+    """run.log_every=2, run.eval_every=3 over 4 iterations: rows at 2, 3 (its evaluation), 4 (the last)."""
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"run.log_every": 2, "run.eval_every": 3,
+                                                        "run.eval_episodes": 1, "run.eval_video": "false",
+                                                        "ppo.total_steps": 256}))
+    rows = list(csv.DictReader((train(cfg) / "metrics.csv").open()))
+    assert [int(r["iteration"]) for r in rows] == [2, 3, 4]
+    assert [r["eval/return"] == "nan" for r in rows] == [True, False, False]

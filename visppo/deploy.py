@@ -290,9 +290,8 @@ def spec_from_env(cfg: Config) -> PolicySpec:
 
 
 def build_network(cfg: Config, spec: PolicySpec, state: Any, source: str) -> ActorCritic:
-    """The config's network for ``spec`` on the CPU, filled with ``state`` (refused unless it fits)."""
-    cfg.train.device = "cpu"
-    cfg.rollout.device = "cpu"
+    """The config's network for ``spec`` on the CPU, filled with ``state`` (refused unless it fits);
+    ``cfg`` itself keeps the run's devices, as an export writes it."""
     state = tensor_state(state, f"{source}: the weights")
     obs_space, action_space = spec.spaces()
     network = build_policy(cfg, obs_space, action_space, torch.device("cpu"), load_weights=False)

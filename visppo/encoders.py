@@ -413,7 +413,7 @@ class FreezeSchedule:
     Adam state when it thaws. Call once per optimizer step, before it.
     """
 
-    def __init__(self, encoders: list[ObsEncoder], steps: int, optimizer: torch.optim.Optimizer | None = None):
+    def __init__(self, encoders: list[ObsEncoder], steps: float, optimizer: torch.optim.Optimizer | None = None):
         self.encoders, self.steps = encoders, steps
         self.taken = _optimizer_steps(optimizer) if optimizer is not None else 0
         self._set(self.taken < steps)

@@ -196,8 +196,6 @@ def read_trained(path: Path, env_overrides: Sequence[str] = ()) -> tuple[dict[st
         raise CheckpointError(f"checkpoint {path} holds a config this visppo cannot use ({exc})") from None
     if env_overrides:
         cfg = from_dict(ckpt["config"], env_overrides, to_act=True)
-    cfg.train.device = "cpu"
-    cfg.rollout.device = "cpu"
     return ckpt, cfg, tensor_state(ckpt["model"], f"checkpoint {path}: 'model'")
 
 

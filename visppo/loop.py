@@ -306,8 +306,10 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
     if resume is not None:
         first_iteration, global_step = ckpt_io.restore(resume, policy, optimizer, precision.update.scaler,
                                                        generator, envs, reward_scale)
-    freeze = (FreezeSchedule(policy.encoders(), cfg.model.freeze_encoder_updates, optimizer)
-              if cfg.model.freeze_encoder_updates else None)  # before_step: trunks frozen for K steps
+    # before_step: trunks frozen for K steps; for good with encoder_lr_scale=0, whose trunk never
+    # moves (a zero lr alone would still backprop through it, and count it in the gradient clip)
+    frozen_steps = math.inf if cfg.model.encoder_lr_scale == 0 else cfg.model.freeze_encoder_updates
+    freeze = FreezeSchedule(policy.encoders(), frozen_steps, optimizer) if frozen_steps else None
     on_device = cfg.memory.buffer_device == "device"
     buffer = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, envs.single_observation_space,
                            envs.single_action_space, pin_memory=device.type == "cuda" and not on_device,
@@ -451,13 +453,14 @@ def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult, va
     scalars = iteration_scalars(iteration, run.ended_since_row, run.recent, run.optimizer, result, value_fit,
                                 seconds, run.global_rollout / wall)
     last = iteration == run.num_iterations
+    evaluated = bool(run.cfg.run.eval_every) and (iteration % run.cfg.run.eval_every == 0 or last)
     if run.cfg.run.eval_every:  # the columns exist from the first row: the CSV header is fixed then
         scalars.update({"eval/return": float("nan"), "eval/success": float("nan")})
-        if run.ctx.is_main and (iteration % run.cfg.run.eval_every == 0 or last):
+        if run.ctx.is_main and evaluated:
             scalars.update(periodic_eval(run.policy, run.cfg, run.dir, iteration, run.device))
     warn_if_flat_critic(run, value_fit)
     if run.logger is not None:
-        if iteration % run.cfg.run.log_every == 0 or last:
+        if iteration % run.cfg.run.log_every == 0 or last or evaluated:  # an evaluation always gets its row
             scalars.update(health_scalars(run))
             run.logger.log(run.global_step, scalars)
             run.ended_since_row = 0

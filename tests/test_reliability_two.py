@@ -238,6 +238,9 @@ def test_item7_a_resumable_key_edited_in_config_yaml_asks_for_an_override(run_co
     assert code == 2
     one_error_line(err, "says ppo.total_steps=256 but the checkpoint has 128", "ppo.total_steps=256")
     assert (run_copy / "config.yaml").read_bytes() == before
+    numbered = run_copy / "checkpoints" / "iter_000002.pt"
+    code, err = run_main(capsys, "train", "--resume", numbered)  # the command it gives resumes that same file
+    assert code == 2 and f"visppo train --resume {numbered} ppo.total_steps=256" in one_error_line(err)
     code, err = run_main(capsys, "train", "--resume", run_copy, "ppo.total_steps=256")  # as it says
     assert code == 0, err
 

@@ -501,3 +501,28 @@ def test_the_iqm_line_names_the_runs_it_leaves_out(tmp_path):
     [summary] = lt.iqm_summary(lt.final_results([out]), reps=100)
     assert summary["seeds"] == ["seed1", "seed2"] and summary["unused_runs"] == ["dmc_walker_walk seed3"]
     assert "1 run(s) (dmc_walker_walk seed3)" in lt.iqm_line(summary)
+
+
+def test_a_run_resumed_with_an_allowed_override_still_matches_but_another_budget_does_not(tmp_path, monkeypatch):
+    """A resume may change train.threads or run.* (checkpoint.RESUMABLE) and rewrites config.yaml:
+    that run is still this command's; one with another ppo.total_steps is not."""
+    from visppo.config import load_config, to_yaml
+
+    monkeypatch.chdir(ROOT)
+    out, config = tmp_path / "t", Path("configs/dot_reach.yaml")
+    run_dir = lt.run_dir_of(out, config, 1)
+    run_dir.mkdir(parents=True)
+    cfg = load_config(config, lt.run_overrides(1, run_dir, []))
+    cfg.train.threads, cfg.run.log_every = 2, 5
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    lt.check_existing_runs([config], [1], out, [])
+    cfg.ppo.total_steps *= 2
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    with pytest.raises(lt.UsageError, match="was started with ppo.total_steps="):
+        lt.check_existing_runs([config], [1], out, [])
+
+
+def test_the_iqm_line_names_the_runs_left_out_when_the_tasks_share_no_seed():
+    summary = {"variant": "", "tasks": ["a", "b"], "seeds": [], "left_out": [], "iqm": math.nan,
+               "ci": (math.nan, math.nan), "reps": 10, "unused_runs": ["a seed1", "b seed2"]}
+    assert "2 run(s) (a seed1, b seed2)" in lt.iqm_line(summary)

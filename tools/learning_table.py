@@ -133,9 +133,12 @@ def train_command(config: Path, seed: int, run_dir: Path, overrides: list[str]) 
 
 def check_existing_runs(configs: list[Path], seeds: list[int], out: Path, overrides: list[str]) -> None:
     """A run folder already under ``out`` must be the run this command would start: else ``run``
-    would count it finished, or resume it, with its old settings, and the table would mix two."""
-    from visppo.config import load_config, to_dict
+    would count it finished, or resume it, with its old settings, and the table would mix two. The
+    keys a resume may change (``train.threads``, ``run.*``) may differ; ``ppo.total_steps`` may not."""
+    from visppo.config import RESUMABLE, load_config, to_dict
     from visppo.errors import UserError
+
+    free = {"run.dir", *RESUMABLE} - {"ppo.total_steps"}
 
     for seed in seeds:
         for config in configs:
@@ -146,11 +149,13 @@ def check_existing_runs(configs: list[Path], seeds: list[int], out: Path, overri
             try:
                 theirs = to_dict(load_config(saved, [f"run.dir={run_dir}"]))
             except (UserError, OSError) as exc:
-                raise UsageError(f"{saved} cannot be read ({exc}): move {run_dir} away") from None
+                raise UsageError(f"{run_dir} cannot be compared with this command: its config.yaml does not load "
+                                 f"here (an older visppo's, or damaged: {type(exc).__name__}): give another "
+                                 "--out, or move that run away") from None
             mine = to_dict(load_config(config, run_overrides(seed, run_dir, overrides)))
             for section, values in mine.items():
                 for key, value in values.items():
-                    if theirs.get(section, {}).get(key) != value:
+                    if f"{section}.{key}" not in free and theirs.get(section, {}).get(key) != value:
                         raise UsageError(
                             f"{run_dir} was started with {section}.{key}={theirs.get(section, {}).get(key)}, "
                             f"this command gives {value}: give another --out, or move that run away")
@@ -534,15 +539,15 @@ def goal_lines(final: list[dict]) -> list[str]:
 def iqm_line(s: dict) -> str:
     name = f"IQM ({s['variant']})" if s["variant"] else "IQM"
     left = f"; left out (no common scale): {', '.join(s['left_out'])}" if s["left_out"] else ""
+    if s.get("unused_runs"):
+        left += (f"; not in the IQM, as not every task has their seed yet: {len(s['unused_runs'])} run(s) "
+                 f"({', '.join(s['unused_runs'])})")
     if not s["tasks"]:
         return f"{name}: no DeepMind Control task with a final evaluation{left}"
     if not s["seeds"]:
         return f"{name}: the DMC tasks {', '.join(s['tasks'])} share no evaluated seed{left}"
     head = (f"{name} over {len(s['tasks'])} DMC task(s) x {len(s['seeds'])} seed(s) "
             f"({', '.join(s['seeds'])}), raw returns (0-1000): **{s['iqm']:.1f}** ")
-    if s.get("unused_runs"):
-        left += (f"; not in the IQM, as not every task has their seed yet: {len(s['unused_runs'])} run(s) "
-                 f"({', '.join(s['unused_runs'])})")
     lo, hi = s["ci"]
     if math.isnan(lo):
         return head + f"(no interval: one seed per task leaves the stratified bootstrap nothing to resample){left}"

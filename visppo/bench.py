@@ -1,7 +1,7 @@
 """``visppo bench devices``: where should rollout and training run?
 
 Times, on each available device, one rollout forward (a batch of
-``ppo.num_envs`` observations from host memory, as collection does) and one
+``ppo.num_envs`` observations from host memory in one pass) and one
 micro-batch forward+backward (as the update does; with ``memory.micro_batch_size=auto``,
 the probe's size under ``memory.budget`` on that device), with the config's AMP and
 channels_last settings. Training goes to the GPU only when its
@@ -96,7 +96,8 @@ def bench_devices(cfg: Config, repeats: int = 5) -> dict:
     train_on, act_on = "cpu", "cpu"
     if "cuda" in by_device:
         cpu, gpu = by_device["cpu"], by_device["cuda"]
-        if cpu["update_seconds"] >= CLEARLY_FASTER * gpu["update_seconds"]:
+        per_sample = {d: r["update_seconds"] / r["micro_batch"] for d, r in (("cpu", cpu), ("cuda", gpu))}
+        if per_sample["cpu"] >= CLEARLY_FASTER * per_sample["cuda"]:  # auto sizes may differ by device
             train_on = "cuda"
         if gpu["act_seconds"] < cpu["act_seconds"]:
             act_on = "cuda"

@@ -25,7 +25,7 @@ import torch
 
 from visppo import distributed
 from visppo.atomic import atomic_write, file_mode
-from visppo.config import Config, build_config, not_resumable, to_dict
+from visppo.config import RESUMABLE, Config, build_config, not_resumable, to_dict
 from visppo.errors import ConfigError, UserError
 
 
@@ -179,9 +179,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------- a run's checkpoints
 
-RESUMABLE = ("ppo.total_steps", "run.progress", "run.tensorboard", "run.log_every",
-             "run.checkpoint_every", "run.keep_checkpoints", "train.threads", "train.max_bad_steps")
-"""Keys a resumed run may change; everything else would make it a different run."""
 
 
 def rank_state(generator: torch.Generator, envs, reward_scale=None) -> dict:
@@ -257,7 +254,8 @@ def resume_paths(source: str | Path) -> tuple[Path, Path]:
 def load_for_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, dict]:
     """The saved config (with the few allowed overrides) and the checkpoint of a run directory
     (or of one of its ``checkpoints/*.pt`` files)."""
-    run_dir, latest = resume_paths(run_dir)
+    source = run_dir
+    run_dir, latest = resume_paths(source)
     for item in overrides:
         key = item.split("=", 1)[0].strip()
         if key not in RESUMABLE:
@@ -271,7 +269,7 @@ def load_for_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] 
     if why:
         raise ConfigError(f"{latest} {why}")
     cfg = build_config(saved, overrides, source=str(latest))
-    check_same_run(run_dir, latest, cfg, {item.split("=", 1)[0].strip() for item in overrides})
+    check_same_run(run_dir, latest, cfg, {item.split("=", 1)[0].strip() for item in overrides}, source)
     if cfg.ppo.total_steps <= ckpt["global_step"]:
         raise ConfigError(f"ppo.total_steps={cfg.ppo.total_steps} is already reached (the run is at step "
                           f"{ckpt['global_step']}): raise it to train further")
@@ -285,13 +283,15 @@ def check_link(run_dir: Path, checkpoint: Path) -> None:
                           f"resume that run itself, or replace the link with one of {run_dir / 'checkpoints'}")
 
 
-def check_same_run(run_dir: Path, checkpoint: Path, cfg: Config, overridden: set[str] = frozenset()) -> None:
+def check_same_run(run_dir: Path, checkpoint: Path, cfg: Config, overridden: set[str] = frozenset(),
+                   source: str | Path | None = None) -> None:
     """The checkpoint's config is the run's (its config.yaml) but for the keys a resume may change:
     else it is another run's checkpoint put in this run's place, and resuming it would go on with
     that run under this one's name (or config.yaml was edited, which a resume does not read). A key a
     resume may change, edited in config.yaml rather than given as an override, is refused too: the
-    resume would go on with the checkpoint's value and write it back over the edit. A config.yaml
-    visppo cannot read is left to the user."""
+    resume would go on with the checkpoint's value and write it back over the edit (``source``: what
+    ``--resume`` was given, for the command to suggest). A config.yaml visppo cannot read is left to
+    the user."""
     from visppo.config import load_config
 
     try:
@@ -308,7 +308,7 @@ def check_same_run(run_dir: Path, checkpoint: Path, cfg: Config, overridden: set
             if name in RESUMABLE:
                 raise ConfigError(f"{run_dir / 'config.yaml'} says {name}={theirs} but the checkpoint has {value}: "
                                   f"a resume reads its settings from the checkpoint, so give the change as an "
-                                  f"override: visppo train --resume {run_dir} {name}={theirs}")
+                                  f"override: visppo train --resume {source or run_dir} {name}={theirs}")
             raise ConfigError(f"{checkpoint} is not this run's checkpoint: it was trained with {name}={value}, "
                               f"and {run_dir / 'config.yaml'} says {theirs}: resume the run it belongs to, put "
                               f"this run's own checkpoint back, or set {name} back to {value} in config.yaml "

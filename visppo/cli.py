@@ -15,7 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
-from visppo.config import field_docs, load_config
+from visppo.config import RESUMABLE, field_docs, load_config
 from visppo.errors import ConfigError, RunError, Stopped, UserError
 
 
@@ -184,8 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a YAML file from configs/ and/or overrides such as ppo.num_envs=4")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a run from its checkpoints/latest.pt, or from RUN_DIR/checkpoints/iter_N.pt "
-                        "(overrides only for ppo.total_steps, run.progress, run.tensorboard, run.log_every, "
-                        "run.checkpoint_every, run.keep_checkpoints, train.threads, train.max_bad_steps)")
+                        f"(overrides only for {', '.join(RESUMABLE)})")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("bench", help="bench devices: time acting and one micro-batch update per device")
     p.add_argument("what", choices=["devices"], help="what to benchmark")

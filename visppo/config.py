@@ -32,6 +32,10 @@ TORCHVISION_ENCODERS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small"
 """model.encoder names built by torchvision (visppo.encoders knows how to cut each family)."""
 ENCODERS = ("nature", "impala", "drq", "spatial_softmax", *TORCHVISION_ENCODERS)
 
+RESUMABLE = ("ppo.total_steps", "run.progress", "run.tensorboard", "run.log_every",
+             "run.checkpoint_every", "run.keep_checkpoints", "train.threads", "train.max_bad_steps")
+"""Keys a resumed run may change; everything else would make it a different run."""
+
 
 @dataclass
 class EnvConfig:

@@ -79,13 +79,8 @@ class ActorCritic(nn.Module):
         """(actor's, critic's) features: the same tensor when the encoder is shared. ``chunk``: the
         encoders see at most that many observations at a time (0: all), so a no-grad pass over many
         envs holds one chunk's activations; the features themselves are a few hundred numbers each."""
-        n = len(next(iter(obs.values())))
-        if 0 < chunk < n:
-            parts = [self._features({k: v[i:i + chunk] for k, v in obs.items()}) for i in range(0, n, chunk)]
-            actor = torch.cat([a for a, _ in parts])
-            return actor, actor if self.critic_encoder is None else torch.cat([c for _, c in parts])
-        feats = self.encoder(obs)
-        return feats, feats if self.critic_encoder is None else self.critic_encoder(obs)
+        actor = _chunked(self.encoder, obs, chunk)
+        return actor, actor if self.critic_encoder is None else _chunked(self.critic_encoder, obs, chunk)
 
     def _value(self, critic_feats: torch.Tensor) -> torch.Tensor:
         """The value in return units. The head's last layer runs in fp32: bf16 would round returns
@@ -128,7 +123,12 @@ class ActorCritic(nn.Module):
 
     def value(self, obs: Obs, chunk: int = 0) -> torch.Tensor:
         """The values alone (the critic's encoder only); ``chunk`` as in :meth:`act`."""
-        n = len(next(iter(obs.values())))
-        if 0 < chunk < n:
-            return torch.cat([self.value({k: v[i:i + chunk] for k, v in obs.items()}) for i in range(0, n, chunk)])
-        return self._value(self.encoder(obs) if self.critic_encoder is None else self.critic_encoder(obs))
+        return self._value(_chunked(self.encoder if self.critic_encoder is None else self.critic_encoder, obs, chunk))
+
+
+def _chunked(encoder: nn.Module, obs: Obs, chunk: int) -> torch.Tensor:
+    """``encoder(obs)``, over at most ``chunk`` observations at a time (0: all at once)."""
+    n = len(next(iter(obs.values())))
+    if not 0 < chunk < n:
+        return encoder(obs)
+    return torch.cat([encoder({k: v[i:i + chunk] for k, v in obs.items()}) for i in range(0, n, chunk)])

@@ -69,6 +69,20 @@ def test_corrupt_and_missing_checkpoints(tmp_path):
         load(other)
 
 
+def test_an_unreadable_checkpoint_says_so_not_that_it_is_corrupt(tmp_path, monkeypatch):
+    """Permissions are faked (root reads anything); the file itself is fine."""
+    path = tmp_path / "latest.pt"
+    atomic_save({"model": {"w": torch.zeros(3)}}, path)
+
+    def refuse(f, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(f))
+
+    monkeypatch.setattr(torch, "load", refuse)
+    with pytest.raises(CheckpointError, match=r"latest\.pt cannot be read \(Permission denied\)") as info:
+        load(path)
+    assert "corrupt" not in str(info.value)
+
+
 def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
     random.seed(1)
     np.random.seed(2)

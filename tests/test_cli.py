@@ -1,10 +1,12 @@
+import argparse
+import errno
 import subprocess
 import sys
 
 import pytest
 from conftest import tiny_overrides
 
-from visppo.cli import main, parse
+from visppo.cli import _run, main, parse
 
 
 def visppo(*args, cwd=None):
@@ -168,3 +170,19 @@ def test_eval_of_a_checkpoint_of_another_architecture(tmp_path, capsys):
 def test_eval_with_bad_episodes(tmp_path, capsys):
     code, err = run_main(capsys, "eval", str(tmp_path), "--episodes", "0")
     assert code == 2 and err.startswith("error: --episodes")
+
+
+@pytest.mark.parametrize("error, verb", [
+    (OSError(errno.ENOSPC, "No space left on device", "/runs/r/metrics.csv"), "cannot write"),
+    (OSError(errno.EROFS, "Read-only file system", "/runs/r/metrics.csv"), "cannot write"),
+    (OSError(errno.EIO, "Input/output error", "/runs/r/metrics.csv"), "cannot use"),
+    (PermissionError(errno.EACCES, "Permission denied", "/runs/r/metrics.csv"), "cannot use"),
+])
+def test_the_catch_all_for_file_system_errors_calls_only_write_errors_writes(error, verb, capsys):
+    """A permission or I/O error may come from a read: the line does not say it was a write."""
+    def command(ns):
+        raise error
+
+    assert _run(argparse.Namespace(func=command)) == 1
+    line = capsys.readouterr().err.strip()
+    assert line == f"error: {verb} /runs/r/metrics.csv: {error.strerror}"

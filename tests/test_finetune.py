@@ -128,6 +128,19 @@ def test_unreadable_or_missing_weights_file(tmp_path):
         build_policy(_cfg(encoder="resnet18", encoder_weights=tmp_path / "gone.pth"), _space(), BOX, CPU)
 
 
+def test_a_weights_file_that_cannot_be_read_says_so(tmp_path, monkeypatch):
+    """Permissions are faked (root reads anything)."""
+    path = tmp_path / "w.pth"
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), path)
+
+    def refuse(f, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(f))
+
+    monkeypatch.setattr(torch, "load", refuse)
+    with pytest.raises(ConfigError, match=r"w\.pth cannot be read \(Permission denied\)"):
+        build_policy(_cfg(encoder="resnet18", encoder_weights=path), _space(), BOX, CPU)
+
+
 def test_imagenet_weights_come_from_the_local_cache_only(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
     cfg = _cfg(encoder="resnet18", encoder_weights="imagenet")  # the config loads without the file

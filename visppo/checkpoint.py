@@ -55,6 +55,9 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} not found: give a run directory or a .pt file")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as exc:  # unreadable (permissions, I/O), not corrupt: the file may be fine
+        raise CheckpointError(f"checkpoint {path} cannot be read ({exc.strerror or exc}): fix its "
+                              "permissions or give another checkpoint") from None
     except pickle.UnpicklingError as exc:
         if "global" not in str(exc).lower():  # garbage, not a pickle whose classes were refused
             raise CheckpointError(f"checkpoint {path} is corrupt or not a visppo checkpoint "
@@ -107,6 +110,9 @@ def read_weights_file(path: Path) -> dict:
                           "visppo checkpoint, imagenet or none")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as exc:
+        raise ConfigError(f"model.encoder_weights: {path} cannot be read ({exc.strerror or exc}): fix "
+                          "its permissions or give another file") from None
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
         raise ConfigError(f"model.encoder_weights: cannot read {path} with torch.load(weights_only=True) "
                           f"({str(exc).splitlines()[0][:120]}): give a state dict of tensors or a visppo "

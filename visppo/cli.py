@@ -8,6 +8,7 @@ input, so bad input is reported once per machine (by local rank 0).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import signal
@@ -261,6 +262,11 @@ def _one_line(exc: Exception) -> str:
     return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
+# The errors that only a write raises (a full disk, a read-only file system, a quota); any other
+# OSError may come from a read, so the catch-all does not call it a write.
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG})
+
+
 def _sigterm(signum: int, frame) -> None:
     raise Stopped("visppo: stopped by SIGTERM; nothing to save yet", signum)
 
@@ -295,9 +301,10 @@ def _run(ns: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("visppo: interrupted", file=sys.stderr)
         return 130
-    except OSError as exc:  # a full or read-only target once the work is done: the file and the cause
+    except OSError as exc:  # a file system that failed the command: the file and the cause
         where = f" {exc.filename}" if exc.filename else ""
-        print(f"error: cannot write{where}: {exc.strerror or exc}", file=sys.stderr)
+        verb = "cannot write" if exc.errno in _WRITE_ERRNOS else "cannot use"
+        print(f"error: {verb}{where}: {exc.strerror or exc}", file=sys.stderr)
         return 1
 
 

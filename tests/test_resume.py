@@ -63,6 +63,30 @@ def test_a_resumed_run_ends_with_the_same_parameters_as_an_uninterrupted_one(tmp
     assert len(b["recent_episodes"]) == 4 * 64 // 16  # every episode of the run (fewer than 100)
 
 
+def test_a_resume_between_two_rows_keeps_counting_the_episodes_column(tmp_path, monkeypatch):
+    """run.log_every=2 with a checkpoint every iteration: the cut after iteration 3 falls between
+    rows, and the row at 4 still counts the episodes of iterations 3 and 4."""
+    extra = {**EXACT, "run.log_every": 2}
+    full = train(load_config(None, tiny_overrides(tmp_path / "full", **extra)))
+    real_save = ckpt_module.save_checkpoint
+
+    def crash_after_third(*args, **kwargs):
+        path = real_save(*args, **kwargs)
+        if args[5] == 3:  # the iteration
+            raise Interrupted
+        return path
+
+    monkeypatch.setattr(ckpt_module, "save_checkpoint", crash_after_third)
+    with pytest.raises(Interrupted):
+        train(load_config(None, tiny_overrides(tmp_path / "cut", **extra)))
+    monkeypatch.undo()
+    cfg, ckpt = load_for_resume(tmp_path / "cut" / "run")
+    assert ckpt["episodes_since_row"] == 4  # 2 envs x 32 steps in episodes of 16
+    resumed = train(cfg, resume=ckpt)
+    counts = [[int(float(r["episodes"])) for r in csv.DictReader((d / "metrics.csv").open())] for d in (full, resumed)]
+    assert counts[0] == counts[1] == [8, 8]
+
+
 SLOW_SAVE = textwrap.dedent("""
     import sys, time, pathlib, torch
     import visppo.checkpoint as ck

@@ -200,13 +200,16 @@ def rank_state(generator: torch.Generator, envs, reward_scale=None) -> dict:
 
 def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler | None, iteration: int, global_step: int,
-                    memory_sizes: dict[str, int], ranks: list[dict], recent: list[dict]) -> Path:
+                    memory_sizes: dict[str, int], ranks: list[dict], recent: list[dict],
+                    ended_since_row: int = 0) -> Path:
     """Write ``checkpoints/latest.pt`` and ``iter_N.pt`` atomically; keep the last few numbered ones.
 
     ``ranks``: every process's :func:`rank_state` (one under a single process); rank 0's
     streams are also saved at the top level, where a single process reads them. ``recent``: the
     last finished episodes, whose mean the log reports, so a resumed run's logged return goes on
     over the same window rather than starting again from the episodes after the cut.
+    ``ended_since_row``: the episodes finished since the last metrics row, which the next row's
+    ``episodes`` column counts (a checkpoint can fall between rows when ``run.log_every`` > 1).
     """
     folder = run_dir / "checkpoints"
     state = {
@@ -219,6 +222,7 @@ def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimiz
         **ranks[0],
         "memory_sizes": memory_sizes,
         "recent_episodes": list(recent),  # plain floats and ints (rollout.collect): weights_only loads them
+        "episodes_since_row": int(ended_since_row),
     }
     if len(ranks) > 1:
         state.update(world_size=len(ranks), ranks=ranks)

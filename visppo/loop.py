@@ -327,7 +327,8 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
     acting = ActingCopy(policy, rollout_device) if rollout_device != device else None
     return Run(cfg, ctx, run_dir, device, rollout_device, precision, envs, policy, optimizer, setup,
                buffer, state, acting, first_iteration, global_step, reward_scale=reward_scale,
-               recent=list(resume.get("recent_episodes", [])) if resume is not None else [])  # older: none
+               recent=list(resume.get("recent_episodes", [])) if resume is not None else [],  # older: none
+               ended_since_row=int(resume.get("episodes_since_row", 0)) if resume is not None else 0)
 
 
 def open_logs(run: Run, resuming: bool) -> None:
@@ -520,7 +521,7 @@ def save_checkpoint(run: Run, iteration: int) -> None:
     if run.ctx.is_main:
         sizes = {"micro": run.setup.sizes.micro, "chunk": run.setup.sizes.chunk}
         ckpt_io.save_checkpoint(run.dir, run.cfg, run.policy, run.optimizer, run.setup.precision.scaler,
-                                iteration, run.global_step, sizes, ranks, run.recent)
+                                iteration, run.global_step, sizes, ranks, run.recent, run.ended_since_row)
 
 
 def stop_if_signalled(run: Run, iteration: int) -> None:

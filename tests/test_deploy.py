@@ -79,6 +79,7 @@ def test_a_frame_of_another_size_or_kind_is_converted_as_training_converts_it(do
     (np.zeros((3, 48, 48), np.uint8), "transpose"),
     (np.zeros((48, 48, 4), np.uint8), "HxWx3"),
     (np.full((48, 48, 3), 2.0), r"\[0, 1\]"),
+    (np.full((48, 48, 3), np.nan), "NaN or infinite"),
     (np.full((48, 48, 3), 300), "outside 0..255"),
     ({"state": np.zeros(4)}, "give 'pixels'"),
 ])

@@ -270,3 +270,13 @@ def test_frame_stack_fills_pushes_resizes_and_keeps_the_state():
     assert list(out["pixels"][::3, 0, 0]) == [20, 30, 40]  # oldest first
     plain = envs_module.FrameStack(1, keep_state=False)
     assert set(plain.first(frames[0])) == {"pixels"} and plain.first(frames[0])["pixels"].shape == (3, 8, 8)
+
+
+def test_a_grayscale_frame_of_another_size_is_resized_as_a_colour_one():
+    """HxWx1 frames (a gray camera) resize like each channel of an RGB frame."""
+    rng = np.random.default_rng(0)
+    gray = rng.integers(0, 256, (10, 12, 1), dtype=np.uint8)
+    out = envs_module.chw_frame(gray, 6)
+    assert out.shape == (1, 6, 6) and out.dtype == np.uint8
+    rgb = envs_module.chw_frame(np.repeat(gray, 3, axis=2), 6)
+    assert np.array_equal(out[0], rgb[0]) and np.array_equal(out[0], rgb[2])

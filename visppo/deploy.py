@@ -212,6 +212,8 @@ class Policy:
             hint = " (it looks like CxHxW: transpose it)" if pixels.ndim == 3 and pixels.shape[0] == channels else ""
             raise UserError(f"frame of shape {pixels.shape}: give one HxWx{channels} image{hint}")
         if np.issubdtype(pixels.dtype, np.floating):
+            if not np.isfinite(pixels).all():
+                raise UserError("a float frame holds NaN or infinite values: give values in [0, 1]")
             if pixels.size and (pixels.min() < 0 or pixels.max() > 1):
                 raise UserError("a float frame must hold values in [0, 1] (or give uint8 0..255)")
             return np.rint(pixels * 255).astype(np.uint8)

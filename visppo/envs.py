@@ -65,7 +65,9 @@ def chw_frame(pixels: np.ndarray, image_size: int | None) -> np.ndarray:
     if image_size and pixels.shape[:2] != (image_size, image_size):
         from PIL import Image
 
-        pixels = np.asarray(Image.fromarray(pixels).resize((image_size, image_size), Image.BILINEAR))
+        image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)  # PIL: gray is HxW
+        resized = image.resize((image_size, image_size), Image.BILINEAR)
+        pixels = np.asarray(resized).reshape(image_size, image_size, pixels.shape[-1])
     return np.ascontiguousarray(np.transpose(pixels, (2, 0, 1)))
 
 

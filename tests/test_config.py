@@ -215,3 +215,12 @@ def test_random_shifts_are_refused_as_removed_and_an_old_config_without_them_loa
                         "ppo:\n  augment_loss: true\n")
         with pytest.raises(ConfigError, match=removed + r".*old\.yaml"):
             load_config(path)
+
+
+def test_differences_names_every_key_that_differs_and_only_those():
+    from visppo.config import differences
+
+    a = load_config(None, ["ppo.learning_rate=0.001", "env.kwargs={look: fast}"])
+    b = load_config(None, ["ppo.learning_rate=0.002", "train.seed=7", "env.kwargs={look: fast}"])
+    assert differences(a, b) == [("ppo.learning_rate", 0.001, 0.002), ("train.seed", 1, 7)]
+    assert differences(b, b) == []

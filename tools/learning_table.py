@@ -135,7 +135,7 @@ def check_existing_runs(configs: list[Path], seeds: list[int], out: Path, overri
     """A run folder already under ``out`` must be the run this command would start: else ``run``
     would count it finished, or resume it, with its old settings, and the table would mix two. The
     keys a resume may change (``train.threads``, ``run.*``) may differ; ``ppo.total_steps`` may not."""
-    from visppo.config import RESUMABLE, load_config, to_dict
+    from visppo.config import RESUMABLE, differences, load_config
     from visppo.errors import UserError
 
     free = {"run.dir", *RESUMABLE} - {"ppo.total_steps"}
@@ -147,18 +147,16 @@ def check_existing_runs(configs: list[Path], seeds: list[int], out: Path, overri
             if not saved.is_file():
                 continue
             try:
-                theirs = to_dict(load_config(saved, [f"run.dir={run_dir}"]))
+                theirs = load_config(saved, [f"run.dir={run_dir}"])
             except (UserError, OSError) as exc:
                 raise UsageError(f"{run_dir} cannot be compared with this command: its config.yaml does not load "
                                  f"here (an older visppo's, or damaged: {type(exc).__name__}): give another "
                                  "--out, or move that run away") from None
-            mine = to_dict(load_config(config, run_overrides(seed, run_dir, overrides)))
-            for section, values in mine.items():
-                for key, value in values.items():
-                    if f"{section}.{key}" not in free and theirs.get(section, {}).get(key) != value:
-                        raise UsageError(
-                            f"{run_dir} was started with {section}.{key}={theirs.get(section, {}).get(key)}, "
-                            f"this command gives {value}: give another --out, or move that run away")
+            mine = load_config(config, run_overrides(seed, run_dir, overrides))
+            for name, value, old in differences(mine, theirs):
+                if name not in free:
+                    raise UsageError(f"{run_dir} was started with {name}={old}, this command gives {value}: "
+                                     "give another --out, or move that run away")
 
 
 def eval_command(run_dir: Path, episodes: int) -> list[str]:

@@ -25,7 +25,15 @@ import torch
 
 from visppo import distributed
 from visppo.atomic import atomic_write, file_mode
-from visppo.config import RESUMABLE, Config, build_config, not_resumable, to_dict
+from visppo.config import (
+    RESUMABLE,
+    Config,
+    build_config,
+    differences,
+    load_config,
+    not_resumable,
+    to_dict,
+)
 from visppo.errors import ConfigError, UserError
 
 
@@ -302,27 +310,21 @@ def check_same_run(run_dir: Path, checkpoint: Path, cfg: Config, overridden: set
     resume would go on with the checkpoint's value and write it back over the edit (``source``: what
     ``--resume`` was given, for the command to suggest). A config.yaml visppo cannot read is left to
     the user."""
-    from visppo.config import load_config
-
     try:
-        on_disk = to_dict(load_config(run_dir / "config.yaml", [f"run.dir={run_dir}"]))
+        on_disk = load_config(run_dir / "config.yaml", [f"run.dir={run_dir}"])
     except (UserError, OSError):
         return
-    mine = to_dict(cfg)
-    for section, values in mine.items():
-        for key, value in values.items():
-            name = f"{section}.{key}"
-            theirs = on_disk.get(section, {}).get(key)
-            if name == "run.dir" or name in overridden or theirs == value:
-                continue
-            if name in RESUMABLE:
-                raise ConfigError(f"{run_dir / 'config.yaml'} says {name}={theirs} but the checkpoint has {value}: "
-                                  f"a resume reads its settings from the checkpoint, so give the change as an "
-                                  f"override: visppo train --resume {source or run_dir} {name}={theirs}")
-            raise ConfigError(f"{checkpoint} is not this run's checkpoint: it was trained with {name}={value}, "
-                              f"and {run_dir / 'config.yaml'} says {theirs}: resume the run it belongs to, put "
-                              f"this run's own checkpoint back, or set {name} back to {value} in config.yaml "
-                              "if it was edited")
+    for name, value, theirs in differences(cfg, on_disk):
+        if name == "run.dir" or name in overridden:
+            continue
+        if name in RESUMABLE:
+            raise ConfigError(f"{run_dir / 'config.yaml'} says {name}={theirs} but the checkpoint has {value}: "
+                              f"a resume reads its settings from the checkpoint, so give the change as an "
+                              f"override: visppo train --resume {source or run_dir} {name}={theirs}")
+        raise ConfigError(f"{checkpoint} is not this run's checkpoint: it was trained with {name}={value}, "
+                          f"and {run_dir / 'config.yaml'} says {theirs}: resume the run it belongs to, put "
+                          f"this run's own checkpoint back, or set {name} back to {value} in config.yaml "
+                          "if it was edited")
 
 
 def resume_for_rank(ckpt: dict, ctx: distributed.Context) -> dict:

@@ -573,6 +573,15 @@ def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
 
 
+def differences(mine: Config, theirs: Config) -> list[tuple[str, Any, Any]]:
+    """Every key whose value differs between two configs, as (dotted name, mine, theirs) in field
+    order: what makes one run another (a resume's checks, a report's run folders)."""
+    a, b = to_dict(mine), to_dict(theirs)
+    return [(f"{section}.{key}", value, b.get(section, {}).get(key))
+            for section, values in a.items() for key, value in values.items()
+            if b.get(section, {}).get(key) != value]
+
+
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 

@@ -151,18 +151,22 @@ def _adam_state_bytes(opt: torch.optim.Optimizer) -> int:
                if isinstance(v, torch.Tensor))
 
 
-def test_static_lines_equal_the_bytes_of_a_real_model_its_gradients_and_adam_state():
-    """parameters, gradients and optimizer_state are exactly what training allocates for them."""
+@pytest.mark.parametrize("model", [{}, {"model.encoder": "resnet18", "model.resize": 32}], ids=["nature", "resnet18"])
+def test_static_lines_equal_the_bytes_of_a_real_model_its_gradients_and_adam_state(model):
+    """parameters, gradients and optimizer_state are exactly what training allocates for them; the
+    parameters line holds the model's buffers too (ResNet's BatchNorm statistics)."""
     from visppo.builders import build_optimizer, build_policy
 
-    cfg = load_config(None, tiny_overrides())
+    cfg = load_config(None, tiny_overrides(**model))
     prober = Prober(cfg, torch.device("cpu"), "fake")
     policy = build_policy(cfg, prober.obs_space, prober.action_space, torch.device("cpu"), load_weights=False)
     opt = build_optimizer(cfg, policy)
     for p in policy.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
-    assert prober.static["parameters"] == sum(p.numel() * p.element_size() for p in policy.parameters())
+    held = [*policy.parameters(), *policy.buffers()]  # non-persistent buffers too: not in the state dict
+    assert prober.static["parameters"] == sum(v.numel() * v.element_size() for v in held)
+    assert any(name.endswith("running_var") for name, _ in policy.named_buffers()) == bool(model)
     assert prober.static["gradients"] == sum(p.grad.numel() * p.grad.element_size() for p in policy.parameters())
     assert prober.static["optimizer_state"] == _adam_state_bytes(opt)
 

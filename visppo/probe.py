@@ -129,7 +129,7 @@ allocated through the caching allocator at the first matmul and kept."""
 GPU_LINES = ("cuda_context", "cublas_workspace", "cudnn_workspace", "allocator_rounding")
 
 SOURCES = {
-    "parameters": "counted: bytes of every parameter of the model",
+    "parameters": "counted: bytes of every parameter and buffer (BatchNorm statistics) of the model",
     "gradients": "counted: bytes of every trainable parameter (one .grad each)",
     "optimizer_state": "counted: Adam's exp_avg + exp_avg_sq (parameter dtype) + one fp32 step per tensor",
     "buffer": "counted: rollout buffer bytes per sample x rollout size (memory.buffer_device=device)",
@@ -372,7 +372,7 @@ class Prober:
 
     def _static_lines(self, world_size: int) -> tuple[dict[str, int], dict[str, str]]:
         """The lines that do not depend on the size, and where every line of a pass comes from."""
-        nbytes = [p.numel() * p.element_size() for p in self.policy.parameters()]
+        nbytes = [t.numel() * t.element_size() for t in (*self.policy.parameters(), *self.policy.buffers())]
         grads = [p.numel() * p.element_size() for p in self.trainable]
         static = {"parameters": sum(nbytes), "gradients": sum(grads),
                   "optimizer_state": 2 * sum(grads) + 4 * len(grads),  # exp_avg, exp_avg_sq, fp32 step

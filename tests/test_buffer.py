@@ -156,7 +156,6 @@ def test_pinned_buffer_gathers_through_staging_to_cuda(channels_last):
         assert out["returns"].cpu().tolist() == [float(j) for j in i]
         assert out["obs.pixels"][:, 0, 0, 0].cpu().tolist() == i
         assert out["obs.pixels"].dtype == torch.uint8
-        assert out["obs.pixels"].cpu()[:, 0, 0, 0].tolist() == [7, 1, 3]
         assert out["obs.pixels"].is_contiguous(memory_format=torch.channels_last) == channels_last
 
 

@@ -100,3 +100,24 @@ def test_acting_in_chunks_draws_what_one_pass_draws(action_space, share_encoder)
         seen.clear()
         torch.testing.assert_close(policy.value(obs, chunk=3), whole[2], rtol=1e-5, atol=1e-6)
         assert max(seen) == 3
+
+
+@pytest.mark.parametrize("discrete", [False, True], ids=["gaussian", "categorical"])
+def test_under_bf16_autocast_the_heads_last_layers_run_in_fp32(discrete):
+    """The trunk may run in bf16; the Gaussian's mean (or the logits) and the value come out of an
+    fp32 last layer, so log-probs and values are not rounded to bf16 before the loss sees them."""
+    torch.manual_seed(0)
+    space = gym.spaces.Discrete(5) if discrete else gym.spaces.Box(-1, 1, (2,), np.float32)
+    pol = ActorCritic(OBS, space, ModelConfig(init_log_std=-2.0))
+    obs = _obs(16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        action, logp, value = pol.act(obs)
+        lp, ent, v = pol.score_actions(obs, action)
+        feats = pol.encoder(obs)
+        actor_hidden, critic_hidden = pol.actor[:-1](feats), pol.critic[:-1](feats)
+    assert {t.dtype for t in (logp, value, lp, ent, v)} == {torch.float32}
+    out = pol.actor[-1](actor_hidden.float())  # fp32 weights on the bf16 hidden layer, outside autocast
+    dist = torch.distributions.Categorical(logits=out) if discrete else torch.distributions.Normal(out, pol.log_std.exp())
+    expected = dist.log_prob(action) if discrete else dist.log_prob(action).sum(-1)
+    torch.testing.assert_close(lp, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(v, pol.critic[-1](critic_hidden.float()).squeeze(-1), rtol=0, atol=1e-5)

@@ -111,6 +111,8 @@ def test_ppo_loss_matches_hand_computation():
     v = 0.5 * torch.tensor([1.0, 1.0, 4.0])
     torch.testing.assert_close(loss, pg + 0.5 * v - 0.1 * ent)
     assert stats["clip_frac"].tolist() == [0.0, 1.0, 1.0]
+    # Schulman's estimator (r - 1) - log r: 0, 0.5 - log 1.5, -0.5 + log 2
+    assert stats["approx_kl"].tolist() == pytest.approx([0.0, 0.5 - np.log(1.5), -0.5 + np.log(2)], abs=1e-6)
     # value clipping: new value 2 moved 2 from old 0, clipped to 0.2 -> error max((2-0)^2, (0.2-0)^2)
     loss_c, stats_c = ppo_loss(new_logp, old_logp, adv, v_new, v_old, ret, ent, 0.2, True, 0.5, 0.1)
     assert stats_c["value_loss"].tolist() == pytest.approx([0.5 * 3.24, 0.5 * 1.0, 0.5 * 4.0])
@@ -254,8 +256,11 @@ def test_recompute_advantages_refreshes_the_bootstrap_values_of_truncations():
     buf.final_values.fill_(123.0)  # stale: what the acting pass would have left
     buf.last_obs = {k: v[-buf.N:].clone() for k, v in buf.flat_obs().items()}
     buf.rewards.normal_(generator=g)
+    buf.values += 1.0  # the rollout's values, apart from the current critic's
+    rollout_values = buf.values.clone()
     cfg = PPOConfig(gamma=0.9, gae_lambda=0.8)
     recompute_advantages(policy, buf, setup_of(cfg, 8, 5))
+    assert torch.equal(buf.values, rollout_values)  # the clipped value loss's anchor stays the rollout's
     with torch.no_grad():
         expected_final = policy.value(final)
         values = policy.value(buf.flat_obs()).view(buf.T, buf.N)

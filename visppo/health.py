@@ -66,7 +66,7 @@ def activation_health(policy: ActorCritic, obs: dict[str, torch.Tensor], actions
 
     hooks = [m.register_forward_hook(count(name)) for name, m in policy.named_modules() if isinstance(m, nn.Tanh)]
     hooks.append(policy.encoder.register_forward_hook(lambda m, i, out: features.append(out.float())))
-    hooks.append(policy.actor.register_forward_hook(lambda m, i, out: means.append(out.float())))
+    hooks.append(policy.actor[-1].register_forward_hook(lambda m, i, out: means.append(out.float())))  # the mean
     try:
         policy.score_actions(obs, actions)
     finally:

@@ -90,8 +90,11 @@ class ActorCritic(nn.Module):
             return self.critic[-1](hidden.float()).squeeze(-1)
 
     def _dist(self, actor_feats: torch.Tensor) -> Distribution:
-        """Categorical (discrete) or a Normal per dimension."""
-        out = self.actor(actor_feats).float()
+        """Categorical (discrete) or a Normal per dimension. The head's last layer runs in fp32, as
+        the value's: a bf16 mean or logit would be rounded before the log-prob is taken."""
+        hidden = self.actor[:-1](actor_feats)
+        with torch.autocast(hidden.device.type, enabled=False):
+            out = self.actor[-1](hidden.float())
         if self.discrete:
             return Categorical(logits=out, validate_args=False)
         return Normal(out, self.log_std.float().exp().expand_as(out), validate_args=False)

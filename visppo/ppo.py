@@ -140,16 +140,18 @@ def compute_values(policy: ActorCritic, buffer: RolloutBuffer, setup: UpdateSetu
 
 def recompute_advantages(policy: ActorCritic, buffer: RolloutBuffer, setup: UpdateSetup) -> None:
     """Refresh every value GAE uses with the current critic (chunked): the rollout's values, the
-    bootstrap values of time-limit truncations, the last observation's; then advantages and returns."""
+    bootstrap values of time-limit truncations, the last observation's; then advantages and returns.
+    ``buffer.values`` stays the rollout's: the clipped value loss is anchored there, as the ratio
+    is anchored at the rollout's log-probs."""
     values, _ = infer(policy, buffer.flat_obs(), None, setup.sizes, setup.device, setup.precision)
-    buffer.values.copy_(values.view(buffer.T, buffer.N))
+    values = values.view(buffer.T, buffer.N).to(buffer.values.device)
     index, final_obs = buffer.truncated_final_obs()
     if len(index):
         final_values, _ = infer(policy, final_obs, None, setup.sizes, setup.device, setup.precision)
         buffer.flat(buffer.final_values)[index] = final_values.to(buffer.final_values.device)
     last_value, _ = infer(policy, buffer.last_obs, None, setup.sizes, setup.device, setup.precision)
     buffer.advantages[:], buffer.returns[:] = compute_gae(
-        buffer.rewards, buffer.values, last_value, buffer.terminated, buffer.truncated,
+        buffer.rewards, values, last_value, buffer.terminated, buffer.truncated,
         buffer.final_values, setup.ppo.gamma, setup.ppo.gae_lambda)
 
 

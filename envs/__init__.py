@@ -1,7 +1,7 @@
 """visppo's tasks, registered with gymnasium as ``visppo/<Name>-v0`` on import.
 
 - ``visppo/DotReach-v0``: a synthetic pixel task drawn with numpy (no MuJoCo),
-  solved by PPO in about a minute on a laptop CPU; the test suite's task.
+  cheap enough for the test suite to train a real pixel policy on a CPU.
 - ``visppo/Reach-v0``, ``visppo/Push-v0``, ``visppo/Balance-v0``: MuJoCo robot
   tasks seen through a fixed camera.
 """

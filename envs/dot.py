@@ -2,7 +2,7 @@
 
 A synthetic pixel task drawn with numpy, no MuJoCo: it steps at tens of
 thousands of frames per second, so tests and the quickstart train a real
-pixel policy in about a minute on a CPU. Episodes have a fixed length (the
+pixel policy on a CPU in little time. Episodes have a fixed length (the
 registered time limit) and never terminate early, which makes rollouts of a
 length that divides it start on fresh episodes every iteration.
 """

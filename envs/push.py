@@ -27,8 +27,7 @@ get behind it.
   *around* the puck (the shortest path that keeps the finger's centre 0.06 m
   from the puck's, :func:`distance_around_disc`): measured in a straight line,
   a finger on the goal's side was 0.12 m from the spot, and every way round
-  the puck first led away from it, so trained policies parked there (seed 1,
-  370k steps: the puck never moved in 10 deterministic episodes).
+  the puck first led away from it, so trained policies parked there (docs/learning.md).
 - ``info``: ``is_success`` (puck centre within 0.05 m of the goal centre, i.e.
   on the goal disc), ``puck_to_goal``, ``tip_to_puck``, ``tip_to_spot``. No early termination;
   the time limit (200 steps = 8 s) ends episodes.

@@ -1,4 +1,4 @@
-"""Files written whole or not at all (a leaf: imports nothing of visppo).
+"""Files written whole or not at all (a leaf: imports only visppo.errors).
 
 A write goes to a temporary file in the target's directory, is fsynced, and is renamed over
 the target; then the directory is fsynced. A crash at any point leaves either the old complete

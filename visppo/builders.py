@@ -115,9 +115,8 @@ def build_optimizer(cfg: Config, policy: ActorCritic) -> torch.optim.Adam:
     """Adam; with ``model.encoder_lr_scale`` != 1 the encoder trunks get their own param group at
     ``lr * scale``. Every group keeps its ``initial_lr``, which annealing scales, so the ratio holds.
 
-    Fused: one kernel updates every parameter. On CPU torch's default is a
-    per-parameter loop: 12 ms per step for the Nature CNN on this 2-core
-    machine, against 1.7 ms fused (the same update up to float rounding)."""
+    Fused: one kernel updates every parameter, where torch's CPU default loops over them (the
+    same update up to float rounding; the timing is in docs/performance.md)."""
     lr, scale = cfg.ppo.learning_rate, cfg.model.encoder_lr_scale
     trunk = {id(p) for p in policy.trunk_parameters()} if scale != 1.0 else set()
     groups = [{"params": [p for p in policy.parameters() if id(p) not in trunk], "lr": lr, "initial_lr": lr}]

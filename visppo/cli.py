@@ -224,8 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["fake", "real"],
                    help="fake: no memory allocated (default when the device is absent); real: run it")
     p.add_argument("--margin", type=float, default=None,
-                   help="fraction of the budget kept free (default 0.10; 0.25 for fp32 on a GPU, where "
-                        "the allocator's fragmentation was measured up to 24%%)")
+                   help="fraction of the budget kept free (default 0.10; 0.25 for fp32 on a GPU, whose "
+                        "caching allocator keeps more beyond what the passes allocate: docs/memory.md)")
     p.add_argument("--json", metavar="FILE", help="write the result as JSON")
     p.add_argument("--plot", metavar="FILE", help="plot peak memory against size (PNG)")
     p.add_argument("--write-config", metavar="FILE", help="write the config with the sizes found")

@@ -70,7 +70,7 @@ class ModelConfig:
     keypoints: int = 32
     """spatial_softmax: number of keypoint maps, two coordinates (x, y in [-1, 1]) each."""
     keypoint_stride: int = 4
-    """spatial_softmax: stride of the first 8x8 conv, 1 to 8; the maps' side is (env.image_size - 8) / stride + 1 (84x84: 20 at 4); 2 costs about 4x the trunk's multiply-adds."""
+    """spatial_softmax: stride of the first 8x8 conv, 1 to 8; the maps' side is (env.image_size - 8) / stride + 1 (84x84: 20 at 4); halving it quadruples the trunk's multiply-adds."""
     encoder_weights: str = "none"
     """none | imagenet (torchvision's file in $TORCH_HOME/hub/checkpoints, never downloaded) | PATH (torchvision state dict or visppo checkpoint)."""
     freeze_encoder_updates: int = 0
@@ -90,7 +90,7 @@ class ModelConfig:
     shared_layers: int = 0
     """Tanh layers of hidden_dim over the encoder's features (pixels and state concatenated), trained by both losses before the actor's and critic's own hidden layer; 0: the heads read the features directly."""
     share_encoder: bool = True
-    """Actor and critic share one encoder; false gives the critic its own (about 1.75x the update's time). (evidence: docs/learning.md)"""
+    """Actor and critic share one encoder; false gives the critic its own (a second encoder's forward and backward in every update). (evidence: docs/learning.md)"""
     init_log_std: float = -0.5
     """Initial log standard deviation of the Gaussian policy (Box actions); -0.5 is std 0.61. (evidence: docs/learning.md)"""
 

@@ -144,8 +144,8 @@ class SpatialSoftmaxCNN(PixelEncoder):
     object then reads positions directly instead of decoding them from a flattened
     map, and the expected value places a keypoint between grid cells, finer than
     the stride-4 grid it is computed on. The trunk is the Nature-DQN first layer
-    (stride 4) and a same-size 3x3 layer: its forward and backward cost 1.4x
-    ``nature``'s on 84x84 frames and 1.9x on 64x64 (one CPU thread, 128 frames).
+    (stride 4) and a same-size 3x3 layer, which keeps a larger map than ``nature``'s and costs
+    more per frame (docs/learning.md has the timing).
     """
 
     def __init__(self, in_channels: int, image_size: int, feature_dim: int, keypoints: int = 32,

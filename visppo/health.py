@@ -12,7 +12,7 @@ on every sample of the probe batch (a ReLU that never fires). ``health/saturated
 fraction of tanh outputs with ``|y| > SATURATED`` in the actor head, the critic head, and the
 encoders (shared trunk, state branch, a LayerNorm-tanh projection); NaN where a part has no tanh.
 ``health/mean_out_of_bounds``: for a Gaussian policy over bounded actions, the fraction of the
-mean's entries beyond the bounds. The env clips the samples, so there nearly every sample acts
+mean's entries beyond the bounds. The samples are clipped to the bounds, so there nearly every sample acts
 the same and the mean gets almost no gradient back: a torque pinned at its limit. A bang-bang
 policy that has learned pins its torques too, so it reads a policy's style more than its
 failure. NaN for categorical policies, which cannot leave the bounds.

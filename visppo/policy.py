@@ -6,7 +6,8 @@ Three entry points and nothing else: ``act`` (sample at collection time),
 autocast: log-probs feed a ratio ``exp(new - old)`` that low precision would
 distort. The policy owns its Gaussian's log-std, a learned parameter.
 
-Box actions take a Gaussian, unbounded: the env clips its samples, the buffer keeps them unclipped.
+Box actions take a Gaussian, unbounded: ``rollout.collect`` clips its samples to the bounds before the
+env sees them, the buffer keeps them unclipped.
 """
 
 from __future__ import annotations

@@ -118,8 +118,8 @@ first ``torch.zeros(1, device="cuda")`` show 300-500 MiB on recent drivers with 
 
 CUDA_CONTEXT_PLAUSIBLE_MAX = 2 * 2**30
 """A measured context above this is not cached: the measurement reads the device-wide use, so
-another process on the GPU inflates it (seen on an H200 whose training runs were still exiting:
-the estimates then charged ~9 GiB of their memory to every row). Measured: 767 MiB on an H100."""
+another process on the GPU inflates it, and the estimates would charge that process's memory
+to every row (docs/memory.md has the run that did)."""
 
 CUBLAS_WORKSPACE = {"sm90+": 4096 * 1024 * 8, "older": 4096 * 1024 * 2 + 16 * 1024 * 8}
 """PyTorch's default cuBLAS workspace per (handle, stream) when ``CUBLAS_WORKSPACE_CONFIG`` is
@@ -217,9 +217,9 @@ CONV_OPS = frozenset({"aten.convolution", "aten._convolution", "aten.conv2d", "a
 
 class KernelWorkspace:
     """Bytes a CPU kernel allocates and frees inside the op, beyond its outputs. Convolutions:
-    oneDNN's reordered weights and per-thread weight-gradient reduction buffers (measured on a
-    2-thread AVX-512 CPU: 2x to 8x a 3x3 layer's weights in backward, depending on its spatial size
-    and the thread count; nothing for a batch of one), the slow path's im2col columns (bf16).
+    oneDNN's reordered weights and per-thread weight-gradient reduction buffers (a multiple of a
+    layer's weights in backward that depends on its spatial size and the thread count:
+    docs/memory.md), the slow path's im2col columns (bf16).
     ``max_pool2d`` (ResNet's stem): it runs ``max_pool2d_with_indices`` and drops the int64
     indices, 4x the bytes of a bf16 output. A dispatch-level meter sees neither, and the kernels'
     choices are not worth re-deriving, so each such op is run once for real, alone, at the pass's
@@ -484,14 +484,11 @@ def emulate_smaller_card(budget_bytes: int, device: torch.device) -> None:
 
 MARGIN = 0.10
 """Fraction of the budget kept free by default: what the model leaves out (small tensors; the
-caching allocator's fragmentation). On an H100 (``docs/probe_validation_cuda.json``) bf16 rows
-came within -11%..+3% of the device's measured use."""
+caching allocator's fragmentation). How near the estimates came on a GPU: docs/memory.md."""
 MARGIN_FP32_CUDA = 0.25
-"""The default for fp32 (no AMP) on a GPU. On an H100 with memory to spare, fp32 micro-batches
-used up to 24% more of the device than estimated (ResNet-18 @224, micro-batch 64): the caching
-allocator reserved 1.2-1.5x what it allocated (bf16: 1.04-1.18x). Under a real 8 GiB cap only
-bf16 and fp16 were checked (they fit at the 10% margin's sizes), so fp32 keeps the wider margin
-until a capped fp32 run says otherwise (``docs/probe_validation_cuda.json``)."""
+"""The default for fp32 (no AMP) on a GPU, wider than ``MARGIN``: the caching allocator reserves
+more beyond what fp32 passes allocate than the model counts, and no capped fp32 run has checked
+a narrower one yet (docs/memory.md)."""
 
 
 def default_margin(device: torch.device, dtype: torch.dtype | None) -> float:

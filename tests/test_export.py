@@ -189,3 +189,18 @@ def test_the_folder_you_are_in_is_refused_as_out_before_any_work(run_dir, tmp_pa
     code, err = run_main(capsys, "export", run_dir, "--format", "torchscript", "--out", out)
     assert code == 2 and one_error_line(err, f"--out {out}", "the folder you are in")
     assert list(tmp_path.iterdir()) == [here] and list(here.iterdir()) == []
+
+
+def test_the_card_takes_no_evaluation_of_another_env_or_checkpoint(tmp_path):
+    """A result with env overrides, or of another step, is not the task's evaluation of this policy."""
+    def result(mean, step, overrides=()):
+        return {"mean_return": mean, "std_return": 1.0, "episodes": 3, "global_step": step,
+                "env_overrides": list(overrides), "deterministic": True, "seed": 0}
+
+    (tmp_path / "final_eval.json").write_text(json.dumps(result(1.0, 64, ["env.max_episode_steps=20"])))
+    (tmp_path / "a_older.json").write_text(json.dumps(result(2.0, 32)))
+    assert export_module.find_evaluation(str(tmp_path), 64) is None
+    (tmp_path / "b_this.json").write_text(json.dumps(result(3.0, 64)))
+    name, found = export_module.find_evaluation(str(tmp_path), 64)
+    assert (name, found["mean_return"]) == ("b_this.json", 3.0)
+    assert export_module.find_evaluation(str(tmp_path))[1]["mean_return"] == 2.0  # step unknown: any step

@@ -293,3 +293,16 @@ def test_an_encoder_lr_scale_of_zero_freezes_the_trunk_for_good(tmp_path):
     assert all(i in ckpt["optimizer"]["state"] for i in heads["params"])
     trunk_keys = [k for k in source if k.startswith("encoder.pixels.convs")]
     assert trunk_keys and all(torch.equal(ckpt["model"][k], source[k]) for k in trunk_keys)
+
+
+@pytest.mark.parametrize("content, match", [
+    ({"proj.0.bias": [0.0, 1.0]}, r"entry 'proj\.0\.bias' holds a list"),
+    ({0: torch.zeros(3)}, r"entry 0 holds a Tensor"),
+    ({"model": {"encoder.pixels.proj.0.bias": "zeros"}, "iteration": 3}, r"'model' entry is not a state dict"),
+])
+def test_a_weights_file_that_is_not_a_state_dict_is_one_config_error(tmp_path, content, match):
+    """Not a RuntimeError from load_state_dict, nor an AttributeError on a key that is not a string."""
+    path = tmp_path / "bad.pth"
+    torch.save(content, path)
+    with pytest.raises(ConfigError, match=match):
+        build_policy(_cfg(encoder="resnet18", encoder_weights=path), _space(), BOX, CPU)

@@ -2,6 +2,7 @@ import math
 
 import gymnasium as gym
 import numpy as np
+import pytest
 import torch
 
 from visppo.config import ModelConfig
@@ -63,7 +64,7 @@ def test_probe_index_spreads_over_the_rollout():
 
 
 def test_a_gaussian_mean_beyond_the_bounds_is_counted():
-    """The env clips a Gaussian's samples: a mean past the bound is a torque pinned at its limit."""
+    """A Gaussian's samples are clipped to the bounds: a mean past one is a torque pinned at its limit."""
     pol = _policy()
     with torch.no_grad():
         pol.actor[-1].weight.zero_()
@@ -74,3 +75,24 @@ def test_a_gaussian_mean_beyond_the_bounds_is_counted():
     assert activation_health(pol, *_batch(), action_space=wide)["health/mean_out_of_bounds"] == 0.0, \
         "unbounded dimensions are left out, the bounded one is inside"
     assert math.isnan(activation_health(pol, *_batch())["health/mean_out_of_bounds"]), "no bounds given"
+
+
+def test_scoring_in_chunks_changes_no_scalar():
+    """memory.infer_chunk_size bounds the pass, not the statistics: one sample at a time reads the
+    same dead features (over every sample) as the whole batch at once."""
+    pol = _policy(shared_layers=1)
+    with torch.no_grad():
+        pol.actor[-1].bias.copy_(torch.tensor([-1.5, 0.0]))
+    whole = activation_health(pol, *_batch(), action_space=ACTIONS)
+    for chunk in (1, 5, 64):
+        assert activation_health(pol, *_batch(), action_space=ACTIONS, chunk=chunk) == pytest.approx(whole, nan_ok=True)
+    assert 0 < whole["health/dead_features"] < 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_mean_out_of_bounds_is_measured_on_the_gpu():
+    """The bounds meet the mean on its own device (a CPU tensor beside a CUDA one would raise)."""
+    pol = _policy().cuda()
+    obs, actions = _batch()
+    h = activation_health(pol, {k: v.cuda() for k, v in obs.items()}, actions.cuda(), action_space=ACTIONS)
+    assert 0.0 <= h["health/mean_out_of_bounds"] <= 1.0

@@ -194,3 +194,15 @@ def test_visppo_tasks_pass_the_check():
     from visppo.envs import make_env
 
     check_env(load_config(None, ["env.id=visppo/DotReach-v0", "env.image_size=48"]), make_env)
+
+
+@pytest.mark.parametrize("defect, needle", [("step_reward_nan", "returned a non-finite reward"),
+                                            ("step_success_str", "info['is_success']=")])
+def test_evaluation_checks_the_envs_output_as_training_does(tmp_path, capsys, defect, needle):
+    """visppo eval of a finished run in an env that turns bad at its 5th step: one error line, not
+    a NaN return or a string read as success."""
+    code, err = run_main(capsys, "train", *overrides(tmp_path, "none"))
+    assert code == 0, err
+    code, err = run_main(capsys, "eval", tmp_path / "run", "env.kwargs.defect=" + defect, "env.kwargs.at=5")
+    assert code == 1, err
+    one_error_line(err, "env broken_envs:BrokenUnchecked-v0", needle)

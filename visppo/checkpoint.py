@@ -127,6 +127,12 @@ def read_weights_file(path: Path) -> dict:
                           "checkpoint") from None
     if not isinstance(obj, dict):
         raise ConfigError(f"model.encoder_weights: {path} holds a {type(obj).__name__}, not a state dict")
+    state = obj["model"] if isinstance(obj.get("model"), dict) else obj  # a visppo checkpoint's, or itself
+    bad = next(((k, v) for k, v in state.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor))), None)
+    if bad is not None:
+        what = str(path) if state is obj else f"{path}'s 'model' entry"
+        raise ConfigError(f"model.encoder_weights: {what} is not a state dict: its entry {bad[0]!r} holds a "
+                          f"{type(bad[1]).__name__}, where a state dict maps names to tensors")
     return obj
 
 

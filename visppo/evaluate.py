@@ -30,7 +30,7 @@ from visppo.atomic import atomic_write_text, check_writable
 from visppo.builders import build_policy
 from visppo.checkpoint import CheckpointError
 from visppo.config import Config, from_dict
-from visppo.env_check import env_errors
+from visppo.env_check import check_rollout_step, env_errors, success_of
 from visppo.envs import check_env_id, make_env
 from visppo.errors import ConfigError, UserError
 from visppo.policy import ActorCritic
@@ -89,7 +89,7 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
                 # the first reset sets the stream's base; later ones step its episode index
                 with env_errors(cfg.env.id, "evaluation"):
                     results.append(run_episode(env, policy, seed if i == 0 else None, deterministic, device,
-                                               record))
+                                               record, env_id=cfg.env.id))
             written = writer.path if writer is not None else None
     finally:
         with contextlib.suppress(Exception, SystemExit):  # a failing env's error matters more
@@ -106,9 +106,10 @@ def _initialised_gpus() -> list[int]:
 
 
 def run_episode(env: gym.Env, policy: ActorCritic, seed: int | None, deterministic: bool, device: torch.device,
-                record=None) -> tuple[float, int, bool | None]:
+                record=None, env_id: str = "the env") -> tuple[float, int, bool | None]:
     """One episode reset with ``seed`` (``None``: the env's next episode): (return, length, success or
-    None); ``record(obs)`` every frame."""
+    None); ``record(obs)`` every frame. A non-finite reward or state, or an ``is_success`` that is not
+    a bool, is an EnvError naming ``env_id``, as in training."""
     space = env.action_space
     low, high = (space.low, space.high) if isinstance(space, gym.spaces.Box) else (None, None)
     obs, info = env.reset(seed=seed)
@@ -124,10 +125,11 @@ def run_episode(env: gym.Env, policy: ActorCritic, seed: int | None, determinist
         elif env_action.ndim == 0:
             env_action = int(env_action)
         obs, reward, terminated, truncated, info = env.step(env_action)
+        check_rollout_step(env_id, np.asarray([reward], dtype=np.float64), {k: np.asarray(v)[None] for k, v in obs.items()})
         total, length, done = total + float(reward), length + 1, bool(terminated or truncated)
         if record is not None:
             record(obs)
-    success = bool(np.asarray(info["is_success"]).item()) if "is_success" in info else None
+    success = bool(success_of(info["is_success"], env_id)) if "is_success" in info else None
     return total, length, success
 
 

@@ -156,12 +156,15 @@ def write_folder(policy: Policy, folder: Path) -> dict[str, str]:
     state = {k: v.detach().contiguous().clone() for k, v in policy.network.state_dict().items()}
     save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     atomic_write_text(folder / CONFIG_FILE, to_yaml(policy.config))
-    atomic_write_text(folder / "README.md", model_card(policy, find_evaluation(policy.info.get("run_dir"))))
+    found = find_evaluation(policy.info.get("run_dir"), policy.info.get("global_step"))
+    atomic_write_text(folder / "README.md", model_card(policy, found))
     return {"weights": WEIGHTS_FILE, "config": CONFIG_FILE, "card": "README.md"}
 
 
-def find_evaluation(run_dir: str | None) -> tuple[str, dict[str, Any]] | None:
-    """The run's evaluation: ``final_eval.json``, else another JSON file of ``visppo eval --json``."""
+def find_evaluation(run_dir: str | None, global_step: int | None = None) -> tuple[str, dict[str, Any]] | None:
+    """The run's evaluation: ``final_eval.json``, else another JSON file of ``visppo eval --json``;
+    only one of the task as trained (no ``env_overrides``) and, where both are known, of the policy's
+    ``global_step``: a card must not present another env's or another checkpoint's figures."""
     if not run_dir:
         return None
     root = Path(run_dir)
@@ -171,7 +174,10 @@ def find_evaluation(run_dir: str | None) -> tuple[str, dict[str, Any]] | None:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue
-        if isinstance(data, dict) and isinstance(data.get("mean_return"), (int, float)) and "episodes" in data:
+        if not (isinstance(data, dict) and isinstance(data.get("mean_return"), (int, float)) and "episodes" in data):
+            continue
+        other_step = None not in (global_step, data.get("global_step")) and data["global_step"] != global_step
+        if not data.get("env_overrides") and not other_step:
             return path.name, data
     return None
 

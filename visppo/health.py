@@ -51,10 +51,11 @@ def _part(module_name: str) -> str:
 
 @torch.no_grad()
 def activation_health(policy: ActorCritic, obs: dict[str, torch.Tensor], actions: torch.Tensor,
-                      action_space: gym.Space | None = None) -> dict[str, float]:
+                      action_space: gym.Space | None = None, chunk: int = 0) -> dict[str, float]:
     """The ``health/...`` scalars of ``policy`` on a batch of observations (and the actions taken
     there, which ``score_actions`` needs to run both heads); ``action_space`` gives the bounds
-    ``health/mean_out_of_bounds`` measures the Gaussian's mean against."""
+    ``health/mean_out_of_bounds`` measures the Gaussian's mean against. ``chunk``: the most samples
+    scored at a time (0: all), which bounds the pass's memory and changes none of the scalars."""
     saturated: dict[str, list[torch.Tensor]] = {part: [] for part in PARTS}
     features: list[torch.Tensor] = []
     means: list[torch.Tensor] = []
@@ -67,17 +68,19 @@ def activation_health(policy: ActorCritic, obs: dict[str, torch.Tensor], actions
     hooks = [m.register_forward_hook(count(name)) for name, m in policy.named_modules() if isinstance(m, nn.Tanh)]
     hooks.append(policy.encoder.register_forward_hook(lambda m, i, out: features.append(out.float())))
     hooks.append(policy.actor[-1].register_forward_hook(lambda m, i, out: means.append(out.float())))  # the mean
+    step = chunk or len(actions)
     try:
-        policy.score_actions(obs, actions)
+        for start in range(0, len(actions), step):
+            policy.score_actions({k: v[start:start + step] for k, v in obs.items()}, actions[start:start + step])
     finally:
         for h in hooks:
             h.remove()
-    feats = features[0]
+    feats = torch.cat(features)
     out = {"health/dead_features": float((feats.amax(0) == feats.amin(0)).float().mean())}
     for part in PARTS:
         flags = saturated.get(part) or []
         out[f"health/saturated_{part}"] = float(torch.cat(flags).float().mean()) if flags else math.nan
-    out["health/mean_out_of_bounds"] = _out_of_bounds(policy, means[0], action_space)
+    out["health/mean_out_of_bounds"] = _out_of_bounds(policy, torch.cat(means), action_space)
     return out
 
 
@@ -85,8 +88,8 @@ def _out_of_bounds(policy: ActorCritic, mean: torch.Tensor, space: gym.Space | N
     """The fraction of a Gaussian mean's entries outside ``space``'s finite bounds (NaN if none apply)."""
     if policy.discrete or not isinstance(space, gym.spaces.Box):
         return math.nan
-    low = torch.as_tensor(np.asarray(space.low, np.float32).reshape(-1))
-    high = torch.as_tensor(np.asarray(space.high, np.float32).reshape(-1))
+    low = torch.as_tensor(np.asarray(space.low, np.float32).reshape(-1), device=mean.device)
+    high = torch.as_tensor(np.asarray(space.high, np.float32).reshape(-1), device=mean.device)
     outside = (mean < low) | (mean > high)
     finite = torch.isfinite(low) & torch.isfinite(high)
     return float(outside[:, finite].float().mean()) if bool(finite.any()) else math.nan

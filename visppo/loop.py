@@ -44,7 +44,7 @@ from visppo.env_check import check_env
 from visppo.envs import check_env_id, close_vector_env, make_env, make_vector_env, preload_before_gl
 from visppo.errors import ConfigError, EnvError, RunError, Stopped
 from visppo.evaluate import run_episodes
-from visppo.health import PROBE_SAMPLES, activation_health, probe_index
+from visppo.health import activation_health, probe_index
 from visppo.metrics import Logger, PhaseTimer, check_tracking, iteration_profiler, open_tracker
 from visppo.policy import ActorCritic
 from visppo.ppo import MemorySizes, UpdateResult, UpdateSetup, compute_values, update
@@ -473,10 +473,10 @@ def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult, va
 def health_scalars(run: Run) -> dict[str, float]:
     """Dead features, saturated tanh units and a Gaussian's mean beyond the action bounds
     (visppo.health) on samples spread over this rollout, after the update: the next rollout's policy."""
-    batch = run.buffer.gather(probe_index(run.buffer.size, min(PROBE_SAMPLES, run.setup.sizes.chunk)), run.device)
+    batch = run.buffer.gather(probe_index(run.buffer.size), run.device)  # health.PROBE_SAMPLES, scored in chunks
     with run.setup.precision.autocast():
-        return activation_health(run.policy, obs_of(batch), batch["actions"],
-                                 run.envs.single_action_space)
+        return activation_health(run.policy, obs_of(batch), batch["actions"], run.envs.single_action_space,
+                                 chunk=run.setup.sizes.chunk)
 
 
 def check_divergence(run: Run, result: UpdateResult) -> None:

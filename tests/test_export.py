@@ -204,3 +204,53 @@ def test_the_card_takes_no_evaluation_of_another_env_or_checkpoint(tmp_path):
     name, found = export_module.find_evaluation(str(tmp_path), 64)
     assert (name, found["mean_return"]) == ("b_this.json", 3.0)
     assert export_module.find_evaluation(str(tmp_path))[1]["mean_return"] == 2.0  # step unknown: any step
+
+
+def _pushed_out_of_bounds(run_dir, tmp_path):
+    """A copy of the run whose actor's last bias puts the Gaussian's mean far outside [-1, 1]."""
+    import shutil
+
+    from visppo.checkpoint import atomic_save, load
+
+    copy = tmp_path / "pushed"
+    shutil.copytree(run_dir, copy)
+    latest = copy / "checkpoints" / "latest.pt"
+    ckpt = load(latest)
+    last = max((k for k in ckpt["model"] if k.startswith("actor.") and k.endswith(".bias")),
+               key=lambda k: int(k.split(".")[1]))
+    ckpt["model"][last] = torch.tensor([5.0, -5.0])
+    atomic_save(ckpt, latest)
+    return copy
+
+
+@pytest.mark.parametrize("fmt", ["pt2", "onnx"])
+def test_an_exported_network_clips_its_actions_to_the_bounds(run_dir, recorded, tmp_path, capsys, fmt):
+    _, pixels, state, _ = recorded
+    pushed = _pushed_out_of_bounds(run_dir, tmp_path)
+    eager = load_policy(pushed).act_stacked(pixels, state)
+    assert np.all(eager[:, 0] == 1.0) and np.all(eager[:, 1] == -1.0)
+    out = exported(pushed, tmp_path, capsys, fmt)
+    if fmt == "pt2":
+        network = torch.export.load(str(out / "policy.pt2")).module()
+        with torch.no_grad():
+            actions = network(torch.from_numpy(pixels), torch.from_numpy(state)).numpy()
+    else:
+        ort = pytest.importorskip("onnxruntime", reason="the deploy extra (pip install -e \".[deploy]\")")
+        session = ort.InferenceSession(str(out / "policy.onnx"), providers=["CPUExecutionProvider"])
+        (actions,) = session.run(["action"], {"pixels": pixels, "state": state})
+    assert np.array_equal(actions, eager)
+
+
+def test_a_discrete_policy_exports_its_most_likely_action(tmp_path, capsys):
+    run = visppo.train(None, **tiny_kwargs(tmp_path / "d", env__id="visppo/DotReachDiscrete-v0",
+                                           ppo__total_steps=64, ppo__num_epochs=1))
+    policy = load_policy(run)
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (16, 3, 48, 48), dtype=np.uint8)
+    eager = policy.act_stacked(pixels)
+    out = exported(run, tmp_path, capsys, "pt2")
+    network = torch.export.load(str(out / "policy.pt2")).module()
+    with torch.no_grad():
+        actions = network(torch.from_numpy(pixels)).numpy()
+    assert actions.dtype == np.int64 and np.array_equal(actions, eager)
+    assert json.loads((out / "policy.json").read_text())["action"]["type"] == "discrete"

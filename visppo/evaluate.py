@@ -56,8 +56,9 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
 
     Returns ``{"episodes", "mean_return", "std_return", "success_rate",
     "mean_length", "returns", "lengths", "successes", "deterministic", "seed",
-    "video"}``. ``success_rate`` and the ``successes`` entries are ``None``
-    when the env does not report ``is_success`` in its final step's info.
+    "video"}``. ``success_rate`` is over the episodes whose final step's info reports
+    ``is_success`` (an env that reports it only on success reads 100%); it and the ``successes``
+    entries are ``None`` where no episode reports it.
     """
     if episodes < 1:
         raise UserError(f"episodes must be at least 1, got {episodes}")

@@ -85,7 +85,8 @@ def activation_health(policy: ActorCritic, obs: dict[str, torch.Tensor], actions
 
 
 def _out_of_bounds(policy: ActorCritic, mean: torch.Tensor, space: gym.Space | None) -> float:
-    """The fraction of a Gaussian mean's entries outside ``space``'s finite bounds (NaN if none apply)."""
+    """The fraction of a Gaussian mean's entries outside ``space``'s bounds, over the dimensions bounded on
+    both sides (a half-bounded one is left out); NaN if none is."""
     if policy.discrete or not isinstance(space, gym.spaces.Box):
         return math.nan
     low = torch.as_tensor(np.asarray(space.low, np.float32).reshape(-1), device=mean.device)

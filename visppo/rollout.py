@@ -48,7 +48,7 @@ class ActingCopy:
 
     @torch.no_grad()
     def sync(self, policy: ActorCritic) -> None:
-        for mine, theirs in zip(self.module.state_dict().values(), policy.state_dict().values()):
+        for mine, theirs in zip(self.module.state_dict().values(), policy.state_dict().values(), strict=True):
             mine.copy_(theirs, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

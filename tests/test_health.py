@@ -24,7 +24,7 @@ def _batch(n=64):
 
 
 def test_a_fresh_policy_is_healthy():
-    h = activation_health(_policy(), *_batch())
+    h = activation_health(_policy(), [_batch()])
     assert h["health/saturated_actor"] < 0.05 and h["health/saturated_critic"] < 0.05
     assert h["health/dead_features"] < 0.5
     assert math.isnan(h["health/saturated_encoder"]), "the Nature CNN's features are ReLU: no tanh to count"
@@ -37,7 +37,7 @@ def test_grown_features_saturate_both_heads():
     with torch.no_grad():
         pol.encoder.pixels.proj[0].weight.mul_(1e4)
         pol.encoder.pixels.proj[0].bias.fill_(100.0)  # every unit fires: none dead, all large
-    h = activation_health(pol, *_batch())
+    h = activation_health(pol, [_batch()])
     assert h["health/saturated_actor"] > 0.9 and h["health/saturated_critic"] > 0.9
 
 
@@ -46,12 +46,12 @@ def test_dead_features_are_counted_exactly():
     with torch.no_grad():
         pol.encoder.pixels.proj[0].bias[:64] = -10.0  # 64 of 256 ReLUs never fire on any frame
         pol.encoder.pixels.proj[0].bias[64:] = 10.0  # the rest always fire (and vary with the frame)
-    assert activation_health(pol, *_batch())["health/dead_features"] == 64 / 256
+    assert activation_health(pol, [_batch()])["health/dead_features"] == 64 / 256
 
 
 def test_the_encoder_part_counts_shared_tanh_layers_and_hooks_are_removed():
     pol = _policy(shared_layers=2)
-    h = activation_health(pol, *_batch())
+    h = activation_health(pol, [_batch()])
     assert 0.0 <= h["health/saturated_encoder"] < 0.05
     assert h["health/dead_features"] == 0.0, "tanh features vary with every frame"
     assert all(not m._forward_hooks for m in pol.modules()), "the probe leaves no hook behind"
@@ -69,23 +69,27 @@ def test_a_gaussian_mean_beyond_the_bounds_is_counted():
     with torch.no_grad():
         pol.actor[-1].weight.zero_()
         pol.actor[-1].bias.copy_(torch.tensor([-2.2, 0.5]))  # first action pinned, second inside
-    h = activation_health(pol, *_batch(), action_space=ACTIONS)
+    h = activation_health(pol, [_batch()], action_space=ACTIONS)
     assert h["health/mean_out_of_bounds"] == 0.5
     wide = gym.spaces.Box(np.array([-3.0, -np.inf], np.float32), np.array([3.0, np.inf], np.float32))
-    assert activation_health(pol, *_batch(), action_space=wide)["health/mean_out_of_bounds"] == 0.0, \
+    assert activation_health(pol, [_batch()], action_space=wide)["health/mean_out_of_bounds"] == 0.0, \
         "unbounded dimensions are left out, the bounded one is inside"
-    assert math.isnan(activation_health(pol, *_batch())["health/mean_out_of_bounds"]), "no bounds given"
+    assert math.isnan(activation_health(pol, [_batch()])["health/mean_out_of_bounds"]), "no bounds given"
 
 
 def test_scoring_in_chunks_changes_no_scalar():
     """memory.infer_chunk_size bounds the pass, not the statistics: one sample at a time reads the
-    same dead features (over every sample) as the whole batch at once."""
+    same dead features (over every sample) and means out of bounds as the whole batch at once."""
     pol = _policy(shared_layers=1)
-    with torch.no_grad():
-        pol.actor[-1].bias.copy_(torch.tensor([-1.5, 0.0]))
-    whole = activation_health(pol, *_batch(), action_space=ACTIONS)
+    with torch.no_grad():  # the first mean straddles its bound: each chunk's share differs
+        pol.actor[-1].weight.mul_(30)
+        pol.actor[-1].bias.copy_(torch.tensor([-1.0, 0.0]))
+    obs, actions = _batch()
+    whole = activation_health(pol, [(obs, actions)], action_space=ACTIONS)
     for chunk in (1, 5, 64):
-        assert activation_health(pol, *_batch(), action_space=ACTIONS, chunk=chunk) == pytest.approx(whole, nan_ok=True)
+        parts = [({k: v[i:i + chunk] for k, v in obs.items()}, actions[i:i + chunk]) for i in range(0, 64, chunk)]
+        assert activation_health(pol, parts, action_space=ACTIONS) == pytest.approx(whole, nan_ok=True)
+    assert 0 < whole["health/mean_out_of_bounds"] < 0.5
     assert whole["health/dead_features"] < 1  # one sample alone would read every feature as dead
 
 
@@ -94,5 +98,5 @@ def test_the_mean_out_of_bounds_is_measured_on_the_gpu():
     """The bounds meet the mean on its own device (a CPU tensor beside a CUDA one would raise)."""
     pol = _policy().cuda()
     obs, actions = _batch()
-    h = activation_health(pol, {k: v.cuda() for k, v in obs.items()}, actions.cuda(), action_space=ACTIONS)
+    h = activation_health(pol, [({k: v.cuda() for k, v in obs.items()}, actions.cuda())], action_space=ACTIONS)
     assert 0.0 <= h["health/mean_out_of_bounds"] <= 1.0

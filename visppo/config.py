@@ -134,7 +134,7 @@ class PPOConfig:
     recompute_logp_old: bool = False
     """Recompute logp_old over the rollout (chunked, no grad) before the update instead of using the acting pass's."""
     recompute_advantages: bool = False
-    """Recompute values and advantages (chunked, no grad) at the start of every epoch."""
+    """Recompute advantages and returns from the current critic (chunked, no grad) at the start of every epoch after the first; the value clip stays anchored at the rollout's values."""
     adam_eps: float = 1e-5
     """Adam epsilon (> 0)."""
 

@@ -57,8 +57,8 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
     Returns ``{"episodes", "mean_return", "std_return", "success_rate",
     "mean_length", "returns", "lengths", "successes", "deterministic", "seed",
     "video"}``. ``success_rate`` is over the episodes whose final step's info reports
-    ``is_success`` (an env that reports it only on success reads 100%); it and the ``successes``
-    entries are ``None`` where no episode reports it.
+    ``is_success`` (an env that reports it only on success reads 100%), ``None`` where none does;
+    a ``successes`` entry is ``None`` for an episode that does not report it.
     """
     if episodes < 1:
         raise UserError(f"episodes must be at least 1, got {episodes}")
@@ -107,7 +107,7 @@ def _initialised_gpus() -> list[int]:
 
 
 def run_episode(env: gym.Env, policy: ActorCritic, seed: int | None, deterministic: bool, device: torch.device,
-                record=None, env_id: str = "the env") -> tuple[float, int, bool | None]:
+                record=None, env_id: str = "(unnamed)") -> tuple[float, int, bool | None]:
     """One episode reset with ``seed`` (``None``: the env's next episode): (return, length, success or
     None); ``record(obs)`` every frame. A non-finite reward or state, or an ``is_success`` that is not
     a bool, is an EnvError naming ``env_id``, as in training."""

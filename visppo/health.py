@@ -21,6 +21,7 @@ failure. NaN for categorical policies, which cannot leave the bounds.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import gymnasium as gym
 import numpy as np
@@ -50,12 +51,12 @@ def _part(module_name: str) -> str:
 
 
 @torch.no_grad()
-def activation_health(policy: ActorCritic, obs: dict[str, torch.Tensor], actions: torch.Tensor,
-                      action_space: gym.Space | None = None, chunk: int = 0) -> dict[str, float]:
-    """The ``health/...`` scalars of ``policy`` on a batch of observations (and the actions taken
-    there, which ``score_actions`` needs to run both heads); ``action_space`` gives the bounds
-    ``health/mean_out_of_bounds`` measures the Gaussian's mean against. ``chunk``: the most samples
-    scored at a time (0: all), which bounds the pass's memory and changes none of the scalars."""
+def activation_health(policy: ActorCritic, batches: Iterable[tuple[dict[str, torch.Tensor], torch.Tensor]],
+                      action_space: gym.Space | None = None) -> dict[str, float]:
+    """The ``health/...`` scalars of ``policy`` over batches of observations and the actions taken
+    there (``score_actions`` needs them to run both heads), scored one batch at a time: how they
+    are split bounds the pass's memory and changes none of the scalars. ``action_space`` gives the
+    bounds ``health/mean_out_of_bounds`` measures the Gaussian's mean against."""
     saturated: dict[str, list[torch.Tensor]] = {part: [] for part in PARTS}
     features: list[torch.Tensor] = []
     means: list[torch.Tensor] = []
@@ -68,10 +69,9 @@ def activation_health(policy: ActorCritic, obs: dict[str, torch.Tensor], actions
     hooks = [m.register_forward_hook(count(name)) for name, m in policy.named_modules() if isinstance(m, nn.Tanh)]
     hooks.append(policy.encoder.register_forward_hook(lambda m, i, out: features.append(out.float())))
     hooks.append(policy.actor[-1].register_forward_hook(lambda m, i, out: means.append(out.float())))  # the mean
-    step = chunk or len(actions)
     try:
-        for start in range(0, len(actions), step):
-            policy.score_actions({k: v[start:start + step] for k, v in obs.items()}, actions[start:start + step])
+        for obs, actions in batches:
+            policy.score_actions(obs, actions)
     finally:
         for h in hooks:
             h.remove()

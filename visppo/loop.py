@@ -473,10 +473,10 @@ def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult, va
 def health_scalars(run: Run) -> dict[str, float]:
     """Dead features, saturated tanh units and a Gaussian's mean beyond the action bounds
     (visppo.health) on samples spread over this rollout, after the update: the next rollout's policy."""
-    batch = run.buffer.gather(probe_index(run.buffer.size), run.device)  # health.PROBE_SAMPLES, scored in chunks
+    parts = probe_index(run.buffer.size).split(run.setup.sizes.chunk)  # health.PROBE_SAMPLES in all
+    batches = ((obs_of(b), b["actions"]) for b in (run.buffer.gather(part, run.device) for part in parts))
     with run.setup.precision.autocast():
-        return activation_health(run.policy, obs_of(batch), batch["actions"], run.envs.single_action_space,
-                                 chunk=run.setup.sizes.chunk)
+        return activation_health(run.policy, batches, run.envs.single_action_space)
 
 
 def check_divergence(run: Run, result: UpdateResult) -> None:

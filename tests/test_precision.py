@@ -35,6 +35,16 @@ def test_fp16_training_with_cpu_acting_recomputes_logp_old_in_the_update_precisi
     assert run.recompute_logp_old  # logp_old must come from the function the ratio divides by
 
 
+def test_bf16_acting_on_another_device_recomputes_logp_old_and_fp32_does_not():
+    """Two devices' bf16 kernels round differently; fp32 ones differ by float rounding alone."""
+    from visppo.precision import Precision, RunPrecision
+
+    gpu = torch.device("cuda")
+    assert RunPrecision(Precision(gpu, torch.bfloat16), Precision(CPU, torch.bfloat16), False).recompute_logp_old
+    assert not RunPrecision(Precision(gpu, None), Precision(CPU, None), False).recompute_logp_old
+    assert not RunPrecision(Precision(CPU, torch.bfloat16), Precision(CPU, torch.bfloat16), False).recompute_logp_old
+
+
 def test_acting_precision_never_asks_for_fp16_off_cuda():
     assert acting_precision("fp16", CPU).dtype == autocast_dtype("auto", CPU)
     assert acting_precision("off", CPU).dtype is None

@@ -12,7 +12,8 @@ Every caller (training, acting, evaluation, the probe, the benchmarks) asks
   rollout buffer then stores frames in that layout too.
 - Acting on another device than training (``rollout.device``): the acting pass
   uses the precision its own device supports; when that differs from the
-  update's, ``logp_old`` is recomputed in the update's precision
+  update's, or is the same reduced precision on the other device's kernels, ``logp_old`` is
+  recomputed in the update's precision
   (:attr:`RunPrecision.recompute_logp_old`), so the first ratio of every
   sample is exactly 1.
 """
@@ -56,8 +57,12 @@ class RunPrecision:
 
     @property
     def recompute_logp_old(self) -> bool:
-        """Acting computed ``logp_old`` in another dtype than the update computes ``logp``."""
-        return self.acting.dtype != self.update.dtype
+        """Acting computed ``logp_old`` in another dtype than the update computes ``logp``, or in the
+        same reduced precision on another device, whose kernels round a bf16 pass otherwise (fp32 on
+        two devices differs by float rounding alone)."""
+        if self.acting.dtype != self.update.dtype:
+            return True
+        return self.update.dtype is not None and self.acting.device != self.update.device
 
 
 def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:

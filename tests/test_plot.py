@@ -81,6 +81,9 @@ def test_nan_only_success_and_partial_line(tmp_path):
     (run / "metrics.csv").write_text(
         "global_step,episode_return,episode_success\n"
         "64,nan,nan\n128,1.5,nan\n192,2.5,nan\n256,3")  # a live run mid-write
+    assert read_metrics(run)["global_step"].tolist() == [64, 128, 192]
+    with (run / "metrics.csv").open("a") as f:
+        f.write(",0.")  # every cell there now, the last one cut short: still not data
     metrics = read_metrics(run)
     assert metrics["global_step"].tolist() == [64, 128, 192]
     _check_png(plot_runs([run], tmp_path / "out.png"))

@@ -52,3 +52,6 @@ def test_bad_arguments_exit_2_and_write_nothing(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error:") and not (tmp_path / "x").exists()
     (tmp_path / "y").mkdir()
     assert tool.main([str(TOOLS.parent / "configs" / "dot_reach.yaml"), "--out", str(tmp_path / "y")]) == 2
+    (tmp_path / "file").write_text("")  # a folder under a file: refused before any training
+    assert tool.main([str(TOOLS.parent / "configs" / "dot_reach.yaml"), "--out", str(tmp_path / "file" / "run")]) == 2
+    assert "not a directory" in capsys.readouterr().err

@@ -164,6 +164,8 @@ def test_bench_update_compares_a_plain_update_with_visppos_and_writes_json(tmp_p
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["model.bogus=1"], "bogus"),
     (["--json", "{tmp}/nowhere/u.json"], "does not exist"),
+    (["--json", "{tmp}"], "is a folder"),
+    (["--amp", "off,foo"], "--amp foo"),
     (["env.id=visppo/Nope-v0"], "visppo/Nope-v0"),
 ])
 def test_bench_update_refuses_bad_input_with_one_error_line(tmp_path, capsys, args, needle):
@@ -343,6 +345,7 @@ def test_baselines_runs_the_configs_env(capsys):
     (["--episodes", "0"], "--episodes"),
     (["ppo.bogus=1"], "bogus"),
     (["--episodes", "x"], "invalid int value"),
+    (["env.kwargs.bogus=1"], "bogus"),  # the env itself refuses it
 ])
 def test_baselines_refuses_bad_input_with_one_error_line(capsys, args, needle):
     code, text, err = call(capsys, "baselines", ROOT / "configs" / "dot_reach.yaml", *args)

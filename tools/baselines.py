@@ -96,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(ns.config, ns.overrides)
         check_env_id(cfg.env.id)
+        results = baselines(cfg, ns.episodes, ns.seed)  # an env that cannot be built is bad input too
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"{cfg.env.id}: {ns.episodes} episodes per policy, reset seeds {ns.seed}-{ns.seed + ns.episodes - 1}\n")
-    print(report(baselines(cfg, ns.episodes, ns.seed)))
+    print(report(results))
     return 0
 
 

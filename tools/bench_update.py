@@ -189,6 +189,11 @@ def checked(ns: argparse.Namespace) -> tuple[Config, list[int], list[str], torch
         raise UserError("--repeats must be >= 1 and --micro sizes >= 0")
     if ns.json is not None and not ns.json.parent.is_dir():
         raise UserError(f"--json {ns.json}: folder {ns.json.parent} does not exist")
+    if ns.json is not None and ns.json.is_dir():
+        raise UserError(f"--json {ns.json} is a folder: give a file name")
+    unknown = [a for a in amps if a not in ("off", "bf16", "fp16", "auto")]
+    if unknown:
+        raise UserError(f"--amp {','.join(unknown)}: give a comma list of off, bf16, fp16, auto")
     return cfg, micros, amps, device
 
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import math
 import os
@@ -166,16 +167,26 @@ def eval_command(run_dir: Path, episodes: int) -> list[str]:
 
 
 def finished(run_dir: Path) -> bool:
-    """The run reached its ppo.total_steps (its last metrics row is at or past it)."""
+    """The run reached its ppo.total_steps: its last metrics row is at or past it, and so is its
+    latest checkpoint where it has one (a run writes its last row before its last checkpoint, and
+    a kill between the two must resume it, not evaluate the checkpoint before)."""
+    import torch
     import yaml
 
     config, metrics = run_dir / "config.yaml", run_dir / "metrics.csv"
     if not (config.is_file() and metrics.is_file()):
         return False
     total = yaml.safe_load(config.read_text())["ppo"]["total_steps"]
-    with metrics.open() as f:
-        rows = list(csv.DictReader(f))
-    return bool(rows) and int(rows[-1]["global_step"]) >= total
+    rows = read_rows(run_dir)
+    if not rows or rows[-1]["global_step"] < total:
+        return False
+    latest = run_dir / "checkpoints" / "latest.pt"
+    if not latest.is_file():
+        return True  # a kept folder: its final_eval.json was written from the finished run
+    try:
+        return torch.load(latest, map_location="cpu", weights_only=True)["global_step"] >= total
+    except Exception:  # noqa: BLE001 - a damaged checkpoint is not a finished run; train resumes or says why
+        return False
 
 
 def keep_run(run_dir: Path, dest: Path) -> None:
@@ -265,8 +276,9 @@ def read_rows(run_dir: Path) -> list[dict[str, float]]:
             return float(v)
         except (TypeError, ValueError):
             return math.nan
-    with (run_dir / "metrics.csv").open() as f:
-        return [{k: num(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    from visppo.metrics import complete_text  # a last line a kill cut short is not read
+
+    return [{k: num(v) for k, v in r.items()} for r in csv.DictReader(io.StringIO(complete_text(run_dir / "metrics.csv")))]
 
 
 def value_at(rows: list[dict[str, float]], column: str, step: int) -> float:
@@ -579,8 +591,13 @@ def plot(outs: list[Path], path: Path, column: str = "episode_return") -> None:
 
 
 def _band(ax, runs: list[list[dict[str, float]]], column: str, name: str) -> None:
-    """One variant's mean curve and its +- std band over seeds (sample std, as the tables)."""
+    """One variant's mean curve and its +- std band over seeds (sample std, as the tables); a seed
+    with no row yet is left out."""
     import numpy as np
+
+    runs = [r for r in runs if r]
+    if not runs:
+        return
 
     end = min(r[-1]["global_step"] for r in runs)
     grid = np.linspace(0, end, 100)
@@ -682,6 +699,15 @@ def cmd_table(ns: argparse.Namespace, rest: list[str]) -> int:
     for option, path in (("--markdown", ns.markdown), ("--plot", ns.plot)):
         if path is not None and not path.parent.is_dir():
             raise UsageError(f"{option} {path}: folder {path.parent} does not exist")
+        if path is not None and path.is_dir():
+            raise UsageError(f"{option} {path} is a folder: give a file name")
+    if ns.plot is not None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        kinds = FigureCanvasAgg(Figure()).get_supported_filetypes()
+        if ns.plot.suffix[1:].lower() not in kinds:
+            raise UsageError(f"--plot {ns.plot}: use one of {', '.join('.' + k for k in sorted(kinds))}")
     if ns.plot is not None:
         columns = set()
         for _, _, runs in groups(ns.out):

@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 
 from visppo import seeding  # noqa: E402
 from visppo.config import Config, load_config, to_yaml  # noqa: E402
+from visppo.atomic import check_writable  # noqa: E402
 from visppo.envs import make_env  # noqa: E402
 from visppo.errors import UserError  # noqa: E402
 
@@ -149,11 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(ns.out)
         if out.exists():
             raise UserError(f"--out {out} exists: give a new folder")
+        check_writable(out / "metrics.csv", "--out")  # before training: a folder under a file fails here
         try:
             import stable_baselines3  # noqa: F401
         except ImportError:
             raise UserError("stable-baselines3 is not installed: pip install stable-baselines3") from None
         cfg = load_config(ns.config, ns.overrides)
+        make_env(cfg).close()  # an env that cannot be built: before SB3 starts
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -213,6 +213,13 @@ def _step(cell: str) -> float:
         return math.inf
 
 
+def complete_text(path: Path) -> str:
+    """A CSV file's text up to its last newline: a last line a kill cut short is not data (a number
+    cut from 123.5 would read as 12)."""
+    text = path.read_text(encoding="utf-8")
+    return text if text.endswith("\n") else text[: text.rfind("\n") + 1]
+
+
 def _drop_rows_after(path: Path, step: int) -> list[str] | None:
     """Keep the CSV rows up to ``step`` (a resumed run redoes the rest); returns the header, or None
     when there is none to keep (the file is then removed, and the next row writes a new header).

@@ -11,6 +11,7 @@ written to a temporary file and renamed into place.
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from visppo.atomic import atomic_write, check_writable
 from visppo.errors import ConfigError
+from visppo.metrics import complete_text
 
 PANELS = (("episode_return", "episode return"), ("episode_success", "success rate"))
 
@@ -36,10 +38,9 @@ def read_metrics(run_dir: Path) -> dict[str, np.ndarray]:
         raise ConfigError(f"{run_dir} has no metrics.csv: give a run directory written by `visppo train` "
                           "(it holds config.yaml, metrics.csv and checkpoints/)")
     try:
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.reader(f)
-            header = next(reader, None)
-            rows = list(reader)
+        reader = csv.reader(io.StringIO(complete_text(path), newline=""))
+        header = next(reader, None)
+        rows = list(reader)
     except (UnicodeDecodeError, csv.Error) as exc:
         raise ConfigError(f"{path} is not a CSV file visppo wrote ({type(exc).__name__}): give the "
                           "directory of a visppo run") from None

@@ -36,8 +36,8 @@ import gymnasium as gym  # noqa: E402
 import numpy as np  # noqa: E402
 
 from visppo import seeding  # noqa: E402
-from visppo.config import Config, load_config, to_yaml  # noqa: E402
 from visppo.atomic import check_writable  # noqa: E402
+from visppo.config import Config, load_config, to_yaml  # noqa: E402
 from visppo.envs import make_env  # noqa: E402
 from visppo.errors import UserError  # noqa: E402
 

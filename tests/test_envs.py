@@ -280,3 +280,37 @@ def test_a_grayscale_frame_of_another_size_is_resized_as_a_colour_one():
     assert out.shape == (1, 6, 6) and out.dtype == np.uint8
     rgb = envs_module.chw_frame(np.repeat(gray, 3, axis=2), 6)
     assert np.array_equal(out[0], rgb[0]) and np.array_equal(out[0], rgb[2])
+
+
+def test_a_frame_stack_of_gray_frames_keeps_each_frame_when_the_camera_reuses_its_buffer():
+    """An HxWx1 frame transposes to a contiguous view: the stack must copy it, as it does RGB."""
+    stack = envs_module.FrameStack(3, keep_state=False)
+    buf = np.zeros((4, 4, 1), np.uint8)
+    buf[:] = 10
+    stack.first(buf)
+    buf[:] = 20
+    stack.next(buf)
+    buf[:] = 30
+    assert list(stack.next(buf)["pixels"][:, 0, 0]) == [10, 20, 30]
+
+
+def test_a_seeded_reset_of_a_used_env_replays_the_streams_first_episode():
+    env = envs_module.SeededEpisodes(gym.make("visppo/DotReach-v0"))
+    first, _ = env.reset(seed=7)
+    env.reset()
+    again, _ = env.reset(seed=7)
+    assert np.array_equal(first, again) and env.episode == 0
+
+
+def test_action_repeat_stops_at_the_episode_end():
+    class Counted(gym.Wrapper):
+        steps = 0
+
+        def step(self, action):
+            Counted.steps += 1
+            return self.env.step(action)
+
+    env = envs_module.ActionRepeat(Counted(gym.make("visppo/DotReach-v0", max_episode_steps=2)), repeat=3)
+    env.reset(seed=0)
+    *_, terminated, truncated, _ = env.step(env.action_space.sample())
+    assert truncated and not terminated and Counted.steps == 2  # the time limit ended it after 2 of 3

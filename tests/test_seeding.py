@@ -1,4 +1,4 @@
-"""visppo.seeding: runs, envs, and training vs evaluation never share an episode seed."""
+"""visppo.seeding: training and evaluation never share an episode seed; runs and envs do not on these samples."""
 
 import numpy as np
 import pytest

@@ -68,7 +68,7 @@ def chw_frame(pixels: np.ndarray, image_size: int | None) -> np.ndarray:
         image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)  # PIL: gray is HxW
         resized = image.resize((image_size, image_size), Image.BILINEAR)
         pixels = np.asarray(resized).reshape(image_size, image_size, pixels.shape[-1])
-    return np.ascontiguousarray(np.transpose(pixels, (2, 0, 1)))
+    return np.transpose(pixels, (2, 0, 1)).copy()  # a copy even where a view would do: cameras reuse buffers
 
 
 class FrameStack:
@@ -102,7 +102,7 @@ class FrameStack:
     def _pack(self, obs) -> dict[str, np.ndarray]:
         out = {"pixels": np.concatenate(self.frames, axis=0)}
         if self.keep_state:
-            out["state"] = np.asarray(obs["state"], dtype=np.float32).reshape(-1)
+            out["state"] = np.array(obs["state"], dtype=np.float32).reshape(-1)  # a copy, as the frames
         return out
 
 
@@ -155,8 +155,9 @@ class SeededEpisodes(gym.Wrapper):
         self._started = False
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
-        if seed is not None:
+        if seed is not None:  # a new stream starts at its first episode (gymnasium's reset contract)
             self.base_seed = seed
+            self.episode = 0 if self._started else self.episode  # before any reset: a resume's index
         elif self._started:
             self.episode += 1
         self._started = True

@@ -314,7 +314,7 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
     buffer = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, envs.single_observation_space,
                            envs.single_action_space, pin_memory=device.type == "cuda" and not on_device,
                            device=device if on_device else "cpu", channels_last=precision.channels_last)
-    state = RolloutState.start(envs, seed=[seeding.env_seed(cfg.train.seed, ctx.rank, i)  # never another run's
+    state = RolloutState.start(envs, seed=[seeding.env_seed(cfg.train.seed, ctx.rank, i)  # not another run's (but by chance)
                                            for i in range(cfg.ppo.num_envs)])
     if reward_scale is not None:  # every env starts a new episode here, a resumed run's too:
         reward_scale.running.zero_()  # no discounted return carries over from the cut one

@@ -1,11 +1,14 @@
-"""Env seeds that never overlap: between runs, between envs, and between training and evaluation.
+"""Env seeds that do not overlap by construction: training and evaluation never share one, and
+runs and envs share one only by a hash's chance.
 
 A gymnasium vector env reset with ``seed=s`` seeds env ``i`` with ``s + i``, so two runs whose
 seeds differ by less than the number of envs would replay each other's episodes, and an
 evaluation reset with a small seed would replay a training episode. Here every seed is drawn
 from a ``numpy.random.SeedSequence`` of its coordinates, and the top bit of a 32-bit episode
 seed names its stream: training episodes have it clear, evaluation episodes set, so the two
-sets are disjoint by construction (not merely unlikely to meet).
+sets are disjoint by construction (not merely unlikely to meet). Within a stream the seeds are
+31-bit hashes: two of n episodes (of any runs and envs) share one with probability about
+n^2 / 2^32, a repeated start state now and then over tens of thousands of episodes.
 """
 
 from __future__ import annotations

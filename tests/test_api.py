@@ -82,6 +82,13 @@ def test_a_code_env_without_images_is_rendered_or_refused():
     cfg = make_config(None, {}, env=lambda: "not an env")
     with pytest.raises(ConfigError, match="not a gymnasium env"):
         envs.make_env(cfg)
+    # the env's own view and renderer: env.camera cannot reach them, and anti-aliasing is MuJoCo's
+    cfg = make_config(None, {"env__camera": "top"}, env=functools.partial(StateOnly, render_mode="rgb_array"))
+    with pytest.raises(ConfigError, match="env.camera=top"):
+        envs.make_env(cfg)
+    cfg = make_config(None, {"env__render_samples": 0}, env=functools.partial(StateOnly, render_mode="rgb_array"))
+    with pytest.raises(ConfigError, match="MuJoCo envs only"):
+        envs.make_env(cfg)
 
 
 def test_code_envs_go_to_workers_only_when_they_pickle(monkeypatch):

@@ -340,6 +340,12 @@ def _make_code_env(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
     if not isinstance(env, gym.Env):
         raise ConfigError(f"env= for {env_id} returned a {type(env).__name__}, not a gymnasium env: give a "
                           "callable that returns one (e.g. the env's class)")
+    if cfg.env.camera:
+        env.close()
+        raise ConfigError(f"env.camera={cfg.env.camera}: an env built in code renders its own view; choose the "
+                          "camera where env= builds it and leave env.camera empty")
+    if cfg.env.render_samples >= 0:  # before any frame is rendered, as for a registered id
+        set_render_samples(env, cfg.env.render_samples, env_id)
     if steps:
         env = gym.wrappers.TimeLimit(env, steps)
     if is_image_space(env.observation_space) or not cfg.env.pixels:

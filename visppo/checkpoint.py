@@ -36,6 +36,10 @@ from visppo.config import (
 )
 from visppo.errors import ConfigError, UserError
 
+UNREADABLE = frozenset({errno.EACCES, errno.EPERM, errno.EIO})
+"""The errors of a file that cannot be read, as opposed to one that is not a checkpoint (torch
+reports a truncated file as an OSError of another errno)."""
+
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message says which file and why."""
@@ -63,7 +67,10 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} not found: give a run directory or a .pt file")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except OSError as exc:  # unreadable (permissions, I/O), not corrupt: the file may be fine
+    except OSError as exc:
+        if exc.errno not in UNREADABLE:  # torch reports a truncated file as an OSError too: corrupt
+            raise CheckpointError(f"checkpoint {path} is corrupt or not a visppo checkpoint "
+                                  f"({type(exc).__name__}){_other_checkpoints(path)}") from None
         raise CheckpointError(f"checkpoint {path} cannot be read ({exc.strerror or exc}): fix its "
                               "permissions or give another checkpoint") from None
     except pickle.UnpicklingError as exc:
@@ -119,8 +126,12 @@ def read_weights_file(path: Path) -> dict:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except OSError as exc:
-        raise ConfigError(f"model.encoder_weights: {path} cannot be read ({exc.strerror or exc}): fix "
-                          "its permissions or give another file") from None
+        if exc.errno in UNREADABLE:
+            raise ConfigError(f"model.encoder_weights: {path} cannot be read ({exc.strerror or exc}): fix "
+                              "its permissions or give another file") from None
+        raise ConfigError(f"model.encoder_weights: cannot read {path} with torch.load(weights_only=True) "
+                          f"({str(exc).splitlines()[0][:120]}): give a state dict of tensors or a visppo "
+                          "checkpoint") from None
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
         raise ConfigError(f"model.encoder_weights: cannot read {path} with torch.load(weights_only=True) "
                           f"({str(exc).splitlines()[0][:120]}): give a state dict of tensors or a visppo "

@@ -702,13 +702,13 @@ def cmd_table(ns: argparse.Namespace, rest: list[str]) -> int:
         if path is not None and path.is_dir():
             raise UsageError(f"{option} {path} is a folder: give a file name")
     if ns.plot is not None:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from visppo.errors import ConfigError
+        from visppo.plot import check_format
 
-        kinds = FigureCanvasAgg(Figure()).get_supported_filetypes()
-        if ns.plot.suffix[1:].lower() not in kinds:
-            raise UsageError(f"--plot {ns.plot}: use one of {', '.join('.' + k for k in sorted(kinds))}")
-    if ns.plot is not None:
+        try:
+            check_format(ns.plot)
+        except ConfigError as exc:
+            raise UsageError(f"--plot {ns.plot}: {exc}") from None
         columns = set()
         for _, _, runs in groups(ns.out):
             for run in runs:

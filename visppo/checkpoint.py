@@ -67,12 +67,6 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} not found: give a run directory or a .pt file")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except OSError as exc:
-        if exc.errno not in UNREADABLE:  # torch reports a truncated file as an OSError too: corrupt
-            raise CheckpointError(f"checkpoint {path} is corrupt or not a visppo checkpoint "
-                                  f"({type(exc).__name__}){_other_checkpoints(path)}") from None
-        raise CheckpointError(f"checkpoint {path} cannot be read ({exc.strerror or exc}): fix its "
-                              "permissions or give another checkpoint") from None
     except pickle.UnpicklingError as exc:
         if "global" not in str(exc).lower():  # garbage, not a pickle whose classes were refused
             raise CheckpointError(f"checkpoint {path} is corrupt or not a visppo checkpoint "
@@ -80,7 +74,10 @@ def load(path: str | Path) -> dict[str, Any]:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unsafe content"
         raise CheckpointError(f"checkpoint {path} was refused: it holds objects other than tensors "
                               f"and plain data ({first[:160]}); only load files you trust") from None
-    except Exception as exc:  # truncated or not a torch file
+    except Exception as exc:  # truncated or not a torch file (torch reports some as OSErrors), or unreadable
+        if isinstance(exc, OSError) and exc.errno in UNREADABLE:
+            raise CheckpointError(f"checkpoint {path} cannot be read ({exc.strerror or exc}): fix its "
+                                  "permissions or give another checkpoint") from None
         raise CheckpointError(f"checkpoint {path} is corrupt or not a visppo checkpoint "
                               f"({type(exc).__name__}){_other_checkpoints(path)}") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt:
@@ -125,14 +122,10 @@ def read_weights_file(path: Path) -> dict:
                           "visppo checkpoint, imagenet or none")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except OSError as exc:
-        if exc.errno in UNREADABLE:
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
+        if isinstance(exc, OSError) and exc.errno in UNREADABLE:
             raise ConfigError(f"model.encoder_weights: {path} cannot be read ({exc.strerror or exc}): fix "
                               "its permissions or give another file") from None
-        raise ConfigError(f"model.encoder_weights: cannot read {path} with torch.load(weights_only=True) "
-                          f"({str(exc).splitlines()[0][:120]}): give a state dict of tensors or a visppo "
-                          "checkpoint") from None
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
         raise ConfigError(f"model.encoder_weights: cannot read {path} with torch.load(weights_only=True) "
                           f"({str(exc).splitlines()[0][:120]}): give a state dict of tensors or a visppo "
                           "checkpoint") from None

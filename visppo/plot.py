@@ -95,6 +95,17 @@ def _labels(run_dirs: list[Path]) -> list[str]:
     return [f"{p.resolve().parent.name}/{n}" if names.count(n) > 1 else n for p, n in zip(run_dirs, names)]
 
 
+def check_format(out: Path) -> None:
+    """A ConfigError unless matplotlib can write an image with ``out``'s suffix."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    kinds = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    if out.suffix[1:].lower() not in kinds:
+        raise ConfigError(f"cannot write a plot as '{out.suffix}': use one of "
+                          f"{', '.join('.' + k for k in sorted(kinds))}")
+
+
 def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
     """Draw return and success rate against env steps for ``run_dirs`` into ``out``; returns the path.
 
@@ -116,19 +127,16 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
     if not out.suffix:
         out = out.with_suffix(".png")
     check_writable(out, "plot")
+    check_format(out)
     fig = Figure(figsize=(11, 4), layout="constrained")
-    canvas = FigureCanvasAgg(fig)
-    fmt = out.suffix[1:].lower()
-    if fmt not in canvas.get_supported_filetypes():
-        raise ConfigError(f"cannot write a plot as '{out.suffix}': use one of "
-                          f"{', '.join('.' + k for k in sorted(canvas.get_supported_filetypes()))}")
+    FigureCanvasAgg(fig)  # the figure's canvas, which savefig draws on
     data = [read_metrics(d) for d in run_dirs]  # every error before anything is drawn or written
 
     axes = fig.subplots(1, 2)
     for ax, (column, title) in zip(axes, PANELS):
         _draw_panel(ax, column, title, data, _labels(run_dirs), smooth)
     axes[0].legend(loc="best", fontsize="small")
-    atomic_write(out, lambda f: fig.savefig(f, format=fmt, dpi=120), binary=True)
+    atomic_write(out, lambda f: fig.savefig(f, format=out.suffix[1:].lower(), dpi=120), binary=True)
     return out
 
 

@@ -186,14 +186,18 @@ def test_item4_a_dead_worker_is_reported_not_hidden_by_close(tmp_path, monkeypat
 @pytest.mark.parametrize("args,needle", [
     (["--device", "quantum"], "--device must be cpu, cuda or cuda:N"),
     (["--write-config", "{tmp}"], "is a directory"),
-    (["--json", "{tmp}/missing/probe.json"], "does not exist"),
-    (["--plot", "{tmp}/missing/probe.png"], "does not exist"),
+    (["--json", "{tmp}/a_file/probe.json"], "is not a directory"),
+    (["--plot", "{tmp}/a_file/probe.png"], "is not a directory"),
+    (["--plot", "{tmp}/probe.pnj"], "cannot write a plot as '.pnj'"),
 ])
 def test_item9_probe_arguments(tmp_path, capsys, args, needle):
+    """Refused before the probe runs, and nothing is written."""
+    (tmp_path / "a_file").write_text("")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     code, err = run_main(capsys, "probe", *tiny_overrides(), *args)
     assert code == 2
     one_error_line(err, needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
 def test_item10_a_metrics_csv_that_is_not_utf8(run_copy, capsys, tmp_path):

@@ -75,15 +75,18 @@ def test_buffer_on_device_reports_the_largest_rollout():
 
 
 def test_probe_cli_writes_json_plot_and_config(tmp_path, capsys):
+    """Each output whole, in folders made for it (as the other commands' outputs)."""
     out = tmp_path / "p.json"
     code = main(["probe", *tiny_overrides(), "--budget", "2GiB", "--device", "cpu", "--mode", "fake",
-                 "--json", str(out), "--plot", str(tmp_path / "p.png"), "--write-config", str(tmp_path / "c.yaml")])
+                 "--json", str(out), "--plot", str(tmp_path / "plots" / "p.png"),
+                 "--write-config", str(tmp_path / "c.yaml")])
     assert code == 0
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["c.yaml", "p.json", "p.png", "plots"]
     data = json.loads(out.read_text())
     assert {"budget_bytes", "micro_batch_size", "infer_chunk_size", "peak_bytes", "breakdown",
             "candidates"} <= data.keys()
     assert all({"kind", "size", "peak_bytes", "fits"} <= c.keys() for c in data["candidates"])
-    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "plots" / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     cfg = load_config(tmp_path / "c.yaml")
     assert cfg.memory.micro_batch_size == data["micro_batch_size"]
     assert "memory.micro_batch_size=" in capsys.readouterr().out

@@ -92,16 +92,22 @@ def bench_devices(cfg: Config, repeats: int = 5) -> dict:
                      "act_batch": cfg.ppo.num_envs,
                      "update_seconds": _median_seconds(update, device, repeats),
                      "micro_batch": micro})
-    by_device = {r["device"]: r for r in rows}
-    train_on, act_on = "cpu", "cpu"
-    if "cuda" in by_device:
-        cpu, gpu = by_device["cpu"], by_device["cuda"]
-        per_sample = {d: r["update_seconds"] / r["micro_batch"] for d, r in (("cpu", cpu), ("cuda", gpu))}
-        if per_sample["cpu"] >= CLEARLY_FASTER * per_sample["cuda"]:  # auto sizes may differ by device
-            train_on = "cuda"
-        if gpu["act_seconds"] < cpu["act_seconds"]:
-            act_on = "cuda"
+    train_on, act_on = placement(rows)
     return {"rows": rows, "train.device": train_on, "rollout.device": act_on}
+
+
+def placement(rows: list[dict]) -> tuple[str, str]:
+    """(train.device, rollout.device) from the timed rows: the update goes to the GPU when it is
+    clearly faster per sample (the sizes may differ by device), acting when it is faster at all
+    (acting's batch is small, so the GPU's launch and copy overheads can lose to the CPU)."""
+    by_device = {r["device"]: r for r in rows}
+    if "cuda" not in by_device:
+        return "cpu", "cpu"
+    cpu, gpu = by_device["cpu"], by_device["cuda"]
+    per_sample = {d: r["update_seconds"] / r["micro_batch"] for d, r in (("cpu", cpu), ("cuda", gpu))}
+    train_on = "cuda" if per_sample["cpu"] >= CLEARLY_FASTER * per_sample["cuda"] else "cpu"
+    act_on = "cuda" if gpu["act_seconds"] < cpu["act_seconds"] else "cpu"
+    return train_on, act_on
 
 
 def format_devices(result: dict) -> str:

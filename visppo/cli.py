@@ -113,8 +113,9 @@ def cmd_plot(ns: argparse.Namespace) -> int:
 
 def cmd_probe(ns: argparse.Namespace) -> int:
     """Largest micro-batch and inference chunk of a config under a memory budget."""
-    from visppo.atomic import atomic_write_text
+    from visppo.atomic import atomic_write_text, check_writable
     from visppo.config import to_yaml
+    from visppo.plot import check_format
     from visppo.probe import format_table, plot, probe, write_json
 
     path, overrides = _split(ns.args)
@@ -123,7 +124,10 @@ def cmd_probe(ns: argparse.Namespace) -> int:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise ConfigError(f"--device must be cpu, cuda or cuda:N, got '{device}'")
     for option, out in (("--json", ns.json), ("--plot", ns.plot), ("--write-config", ns.write_config)):
-        _check_output(option, out)
+        if out is not None:
+            check_writable(Path(out), option)
+    if ns.plot:
+        check_format(Path(ns.plot))
     if ns.budget is not None:
         _check_budget(ns.budget)
     result = probe(cfg, ns.budget or cfg.memory.budget, device, ns.mode, ns.margin)
@@ -149,19 +153,6 @@ def _check_budget(budget: str) -> None:
         raise ConfigError(f"--budget '{budget}' is not a size like 8GiB, 6000MB or 1073741824") from None
     if not 0 < size <= MAX_INT:
         raise ConfigError(f"--budget {budget} is out of range (a size above 0 and at most {MAX_INT:.0e} bytes)")
-
-
-def _check_output(option: str, out: str | None) -> None:
-    """An output file's path must name a file in an existing directory (checked before any work)."""
-    if out is None:
-        return
-    path = Path(out)
-    if path.is_dir():
-        raise ConfigError(f"{option} {out} is a directory: give a file name, e.g. {path / 'probe.out'}")
-    if not path.parent.is_dir():
-        raise ConfigError(f"{option} {out}: directory {path.parent} does not exist: create it first")
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{option} {out}: directory {path.parent} is not writable: give another path")
 
 
 def cmd_config(ns: argparse.Namespace) -> int:

@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from visppo.atomic import atomic_write, atomic_write_text
 from visppo.buffer import RolloutBuffer
 from visppo.builders import build_policy
 from visppo.config import Config, parse_bytes
@@ -576,8 +577,6 @@ def format_table(result: ProbeResult) -> str:
 
 
 def write_json(result: ProbeResult, path: Path) -> None:
-    from visppo.atomic import atomic_write_text
-
     atomic_write_text(Path(path), json.dumps(result.to_json(), indent=2))
 
 
@@ -601,7 +600,8 @@ def plot(result: ProbeResult, path: Path) -> None:
     ax.set_title(f"visppo probe: {result.device}, {result.mode} mode, amp {result.amp}")
     ax.legend()
     fig.tight_layout()
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp{Path(path).suffix}")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)
+    path = Path(path)
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, format=path.suffix[1:].lower()), binary=True)
+    finally:
+        plt.close(fig)

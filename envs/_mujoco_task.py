@@ -4,7 +4,7 @@ A task subclasses :class:`MujocoTask`, names its MJCF file in ``assets/`` and
 implements four small hooks (``_reset_task``, ``_reward``, ``_info`` and
 ``_state``; ``_after_step`` is optional). Everything that is the same for every task lives here: loading
 the model from the installed package, stepping the physics, one lazily created
-``mujoco.Renderer`` per image size, and assembling ``"pixels"`` or
+``mujoco.Renderer`` per image size (of any size: :func:`new_renderer`), and assembling ``"pixels"`` or
 ``"pixels_state"`` observations.
 
 A task with a ``"pixels_state"`` mode also sets ``STATE_HIGH``, the bound of
@@ -46,6 +46,26 @@ def load_model(asset: str) -> mujoco.MjModel:
     """
     xml = resources.files(__package__).joinpath("assets", asset).read_text(encoding="utf-8")
     return mujoco.MjModel.from_xml_string(xml)
+
+
+def new_renderer(model: mujoco.MjModel, height: int, width: int) -> mujoco.Renderer:
+    """A ``mujoco.Renderer`` of ``height`` x ``width`` whatever the model's offscreen buffer size.
+
+    MuJoCo refuses frames larger than that buffer (640x480 unless the MJCF sets ``<visual><global
+    offwidth offheight>``), and videos ask for larger side views, so the buffer is grown while the
+    renderer is made (its GL context reads the size then) and set back after: no other renderer of
+    the model (dm_control's own included) gets a larger buffer, nor one a failed size left behind.
+    """
+    size = model.vis.global_
+    before = int(size.offwidth), int(size.offheight)
+    size.offwidth, size.offheight = max(before[0], int(width)), max(before[1], int(height))
+    try:
+        return mujoco.Renderer(model, int(height), int(width))
+    except mujoco.FatalError as exc:  # e.g. a side longer than the GL's largest framebuffer
+        raise ValueError(f"cannot render {width}x{height} frames with this OpenGL ({exc}): ask for a "
+                         "smaller size") from None
+    finally:
+        size.offwidth, size.offheight = before
 
 
 def wrap_angle(angle: np.ndarray | float) -> np.ndarray:
@@ -192,7 +212,7 @@ class MujocoTask(gym.Env, ABC):
         key = (int(height), int(width))
         renderer = self._renderers.get(key)
         if renderer is None:
-            renderer = self._renderers[key] = mujoco.Renderer(self.model, *key)
+            renderer = self._renderers[key] = new_renderer(self.model, *key)
         renderer.update_scene(self.data, camera=camera)
         return renderer.render()
 

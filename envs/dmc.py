@@ -34,6 +34,8 @@ import mujoco  # noqa: E402
 from gymnasium import spaces  # noqa: E402
 from gymnasium.envs.registration import register, registry  # noqa: E402
 
+from ._mujoco_task import new_renderer  # noqa: E402
+
 NAMESPACE = "dmc"
 ALIAS_PREFIX = "dmc:"
 EPISODE_FRAMES = 1000
@@ -247,7 +249,7 @@ class DMCEnv(gym.Env):
         key = (int(height), int(width), look)
         renderer = self._renderers.get(key)
         if renderer is None:
-            renderer = self._renderers[key] = mujoco.Renderer(self.model, int(height), int(width))
+            renderer = self._renderers[key] = new_renderer(self.model, int(height), int(width))
             if look == "fast":
                 for flag in FAST_OFF:
                     renderer.scene.flags[flag] = 0

@@ -207,6 +207,23 @@ def test_the_fast_look_drops_shadows_reflections_and_skybox():
     assert b[:4].max() == 0 and a[:4].mean() > 20  # no skybox: the sky above the floor is black
 
 
+def test_frames_larger_than_the_models_offscreen_buffer_render():
+    """The fake's MJCF keeps MuJoCo's 640x480 offscreen buffer: a 640x640 camera and side view
+    render all the same (the same scene as at half size), and the model's buffer is left as it was."""
+    env = fake_env(image_size=640)
+    obs, _ = env.reset(seed=0)
+    view = env.render_view(width=640, height=640)
+    assert obs.shape == view.shape == (640, 640, 3) and np.array_equal(view, obs)
+    half = env.render_view(width=320, height=320).astype(float)
+    assert np.abs(view.reshape(320, 2, 320, 2, 3).mean(axis=(1, 3)) - half).mean() < 1 < half.std()
+    buffer = env.model.vis.global_
+    assert (buffer.offwidth, buffer.offheight) == (640, 480)
+    with pytest.raises(ValueError, match=r"cannot render 100000x64 frames .*: ask for a smaller size"):
+        env.render_view(width=100_000, height=64)
+    assert env.render_view(width=48, height=40).shape == (40, 48, 3)  # a failed size leaves nothing behind
+    env.close()
+
+
 def test_camera_by_index_or_name_and_bad_ones_refused():
     assert fake_env().camera == 0 and fake_env(camera="top").camera == 1 and fake_env(camera="1").camera == 1
     with pytest.raises(ValueError, match="no camera named"):

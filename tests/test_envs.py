@@ -1,3 +1,4 @@
+import functools
 import warnings
 
 import gymnasium as gym
@@ -245,6 +246,27 @@ def test_a_custom_env_gets_its_kwargs_and_bad_ones_are_named(tmp_path, monkeypat
     assert env.unwrapped.brightness == 77
 
 
+def test_an_env_process_forwards_the_side_camera_only_where_the_env_has_one():
+    """Evaluation videos show ``env.unwrapped.render_view`` beside the policy's frames: an env run in
+    a process of its own keeps that view, and one without it gets no ``render_view``."""
+    here = gym.make("visppo/Reach-v0", image_size=32)
+    apart = EnvProcess(functools.partial(gym.make, "visppo_envs:visppo/Reach-v0", image_size=32), "reach")
+    try:
+        here.reset(seed=1)
+        apart.reset(seed=1)
+        view = apart.render_view(width=64, height=48)
+        assert view.shape == (48, 64, 3) and view.std() > 0
+        assert np.array_equal(view, here.unwrapped.render_view(width=64, height=48))
+    finally:
+        apart.close()
+        here.close()
+    dot = EnvProcess(functools.partial(gym.make, "visppo_envs:visppo/DotReach-v0"), "dot")
+    try:
+        assert getattr(dot, "render_view", None) is None
+    finally:
+        dot.close()
+
+
 def test_a_custom_module_that_does_not_register_the_id_is_named(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     name = _custom_module(tmp_path, "my_blink_ids")
@@ -314,3 +336,17 @@ def test_action_repeat_stops_at_the_episode_end():
     env.reset(seed=0)
     *_, terminated, truncated, _ = env.step(env.action_space.sample())
     assert truncated and not terminated and Counted.steps == 2  # the time limit ended it after 2 of 3
+
+
+def test_async_workers_never_fork(monkeypatch):
+    """Forking after an EGL context hangs: workers start from the forkserver, or spawn without one."""
+    import multiprocessing
+
+    envs = make_vector_env(load_config(None, ["ppo.num_envs=2", "env.image_size=48", "env.vector=async"]))
+    try:
+        kinds = {type(p).__name__ for p in envs.processes}
+    finally:
+        envs.close()
+    assert kinds == {"ForkServerProcess"}
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["fork", "spawn"])
+    assert envs_module.worker_start_method.__wrapped__() == "spawn"

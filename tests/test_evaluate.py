@@ -91,6 +91,40 @@ def test_evaluation_episodes_are_reset_with_evaluation_stream_seeds(run_dir, mon
     assert {seeding.stream_of(s) for s in seeds} == {seeding.EVAL}
 
 
+class StubPolicy(torch.nn.Module):
+    """What run_episodes needs of a policy; ``act`` fails as a network of the wrong shape does, or
+    returns a zero action for DotReach."""
+
+    def __init__(self, fails: bool):
+        super().__init__()
+        self.fails = fails
+
+    def act(self, batch, deterministic=False):
+        if self.fails:
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (1x32 and 64x32)")
+        return torch.zeros(1, 2), None, None
+
+
+def test_a_policys_error_during_evaluation_is_its_own_and_an_envs_is_the_envs(monkeypatch):
+    """Only what the env's reset and step raise reads as the env's (EnvError): a shape mismatch
+    inside the network is a bug of the policy, and must not send the user to fix their env."""
+    from visppo.errors import EnvError
+    from visppo.evaluate import run_episodes
+    from visppo_envs.dot import DotReachEnv
+
+    cfg = load_config(None, tiny_overrides())
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as err:
+        run_episodes(StubPolicy(fails=True), cfg, episodes=1)
+    assert not isinstance(err.value, EnvError)
+
+    def step(self, action):
+        raise ValueError("joint 3 over its torque limit")
+
+    monkeypatch.setattr(DotReachEnv, "step", step)
+    with pytest.raises(EnvError, match="env visppo/DotReach-v0 failed during evaluation: raised ValueError: joint 3"):
+        run_episodes(StubPolicy(fails=False), cfg, episodes=1)
+
+
 def test_video_mp4_frames_and_size(run_dir, tmp_path):
     video = tmp_path / "videos" / "eval.mp4"
     result = evaluate(run_dir, episodes=2, deterministic=True, video=video)

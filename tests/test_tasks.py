@@ -96,6 +96,19 @@ def test_observation_is_the_rendered_frame(env_id):
     env.close()  # closing twice is fine
 
 
+def test_frames_larger_than_the_models_offscreen_buffer_render():
+    """The tasks' MJCF sets a 1024x1024 offscreen buffer; a video's side view or a policy camera
+    larger than that renders all the same, and the model's buffer is left as it was."""
+    env = make("visppo/Reach-v0", image_size=1100)
+    obs, _ = env.reset(seed=0)
+    assert obs.shape == (1100, 1100, 3) and obs.std() > 0
+    view = env.unwrapped.render_view(width=1280, height=720)
+    assert view.shape == (720, 1280, 3) and view.std() > 0
+    buffer = env.unwrapped.model.vis.global_
+    assert (buffer.offwidth, buffer.offheight) == (1024, 1024)
+    env.close()
+
+
 def test_render_mode_none_still_observes_pixels():
     env = make("visppo/Reach-v0", render_mode=None, image_size=64)
     obs, _ = env.reset(seed=0)

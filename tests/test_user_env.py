@@ -21,7 +21,7 @@ from broken_envs import DEFECTS
 from conftest import one_error_line, run_main, tiny_overrides
 
 from visppo.config import load_config
-from visppo.env_check import check_env, validate_spaces
+from visppo.env_check import check_env, is_image_space, validate_spaces
 from visppo.errors import ConfigError
 
 START = [d for d in DEFECTS if d != "none"]
@@ -188,6 +188,53 @@ STATE = gym.spaces.Box(-1, 1, (2,), np.float32)
 def test_validate_spaces_names_what_visppo_cannot_act_in(obs, action, needle):
     with pytest.raises(ConfigError, match=needle):
         validate_spaces(obs, action, _cfg())
+
+
+CHANNELS_FIRST = gym.spaces.Box(0, 255, (3, 40, 36), np.uint8)
+
+
+class ChannelsFirstEnv(gym.Env):
+    """A user's env that gives CxHxW frames and renders HxWxC ones too."""
+
+    metadata = {"render_modes": ["rgb_array"]}
+    observation_space = CHANNELS_FIRST
+    action_space = gym.spaces.Box(-1, 1, (2,), np.float32)
+    render_mode = "rgb_array"
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(CHANNELS_FIRST.shape, np.uint8), {}
+
+    def step(self, action):
+        return np.zeros(CHANNELS_FIRST.shape, np.uint8), 0.0, False, False, {}
+
+    def render(self):
+        return np.zeros((40, 36, 3), np.uint8)
+
+
+def test_an_image_space_is_hxwxc_with_1_3_or_4_channels():
+    """What chw_frame transposes for the network and videos show: a CxHxW Box is not one (its rows
+    would be read as channels), and is refused with the transpose to make."""
+    for channels in (1, 3, 4):
+        assert is_image_space(gym.spaces.Box(0, 255, (40, 36, channels), np.uint8))
+    for obs in (CHANNELS_FIRST, gym.spaces.Dict({"pixels": CHANNELS_FIRST, "state": STATE})):
+        assert not is_image_space(obs)
+        with pytest.raises(ConfigError, match=r"shape \(3, 40, 36\), channels first \(CxHxW\): visppo takes "
+                                              r"HxWxC frames; transpose .*\(40, 36, 3\)") as err:
+            validate_spaces(obs, gym.spaces.Discrete(2), _cfg())
+        assert "\n" not in str(err.value)
+    two = gym.spaces.Box(0, 255, (40, 36, 2), np.uint8)
+    with pytest.raises(ConfigError, match=r"2 channels last: visppo takes HxWxC frames of 1 \(gray\), 3"):
+        validate_spaces(two, gym.spaces.Discrete(2), _cfg(**{"env.state": "false"}))
+
+
+def test_a_code_env_with_channels_first_frames_is_refused_not_rendered_in_their_place():
+    """env.pixels=true renders only envs that observe no images: a CxHxW one is named, not trained
+    on its renders instead of its observations."""
+    from visppo.envs import make_env, register_code_env
+
+    env_id = register_code_env(ChannelsFirstEnv)
+    with pytest.raises(ConfigError, match=r"channels first \(CxHxW\)"):
+        make_env(load_config(None, [f"env.id={env_id}", "env.image_size=36"]))
 
 
 def test_visppo_tasks_pass_the_check():

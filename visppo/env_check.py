@@ -35,10 +35,51 @@ def _first_line(exc: BaseException) -> str:
 # --------------------------------------------------------------------------- spaces
 
 
+IMAGE_CHANNELS = (1, 3, 4)
+"""Channels of a frame visppo takes, last (HxWxC): gray, RGB, RGBA (videos show the RGB)."""
+
+
+def _pixels(space: Any) -> Any:
+    """The image part of an observation space: its "pixels" in a Dict, else the space itself."""
+    return space["pixels"] if isinstance(space, gym.spaces.Dict) and "pixels" in space.spaces else space
+
+
+def _is_uint8_3d(space: Any) -> bool:
+    return isinstance(space, gym.spaces.Box) and space.dtype == np.uint8 and len(space.shape) == 3
+
+
+def looks_like_image(space: Any) -> bool:
+    """A uint8 Box of three axes in any layout (or a Dict holding one under "pixels"): an env's own
+    frames, which :func:`check_observation_space` takes (HxWxC) or refuses naming what to change,
+    rather than frames to render in their place."""
+    return _is_uint8_3d(_pixels(space))
+
+
 def is_image_space(space: Any) -> bool:
-    """An image (uint8 HxWxC Box), or a Dict holding one under "pixels"."""
-    pix = space["pixels"] if isinstance(space, gym.spaces.Dict) and "pixels" in space.spaces else space
-    return isinstance(pix, gym.spaces.Box) and pix.dtype == np.uint8 and len(pix.shape) == 3
+    """An image as cameras and gymnasium's renderers give it, channels last (a uint8 HxWxC Box, C in
+    :data:`IMAGE_CHANNELS`), or a Dict holding one under "pixels": what :func:`visppo.envs.chw_frame`
+    transposes for the network."""
+    pix = _pixels(space)
+    return _is_uint8_3d(pix) and pix.shape[-1] in IMAGE_CHANNELS
+
+
+def is_channel_first(space: Any) -> bool:
+    """A uint8 CxHxW image (or a Dict holding one under "pixels"), as some envs and wrappers give
+    frames: visppo refuses it with the transpose to make rather than reading its rows as channels."""
+    pix = _pixels(space)
+    return _is_uint8_3d(pix) and pix.shape[0] in IMAGE_CHANNELS and pix.shape[-1] not in IMAGE_CHANNELS
+
+
+def _layout_error(space: Any, env_name: str) -> ConfigError:
+    """What to change of a 3-D uint8 observation that is not HxWxC with 1, 3 or 4 channels."""
+    shape = _pixels(space).shape
+    if is_channel_first(space):
+        return ConfigError(f"env {env_name}: its image observation has shape {shape}, channels first (CxHxW): "
+                           f"visppo takes HxWxC frames; transpose them in the env (np.transpose(frame, (1, 2, 0)), "
+                           f"and its observation space to shape {(shape[1], shape[2], shape[0])})")
+    return ConfigError(f"env {env_name}: its image observation has shape {shape}, {shape[-1]} channels last: "
+                       "visppo takes HxWxC frames of 1 (gray), 3 (RGB) or 4 (RGBA) channels; give the env's "
+                       "frames one of those")
 
 
 def check_observation_space(space: Any, keep_state: bool, env_name: str) -> gym.spaces.Box:
@@ -51,6 +92,8 @@ def check_observation_space(space: Any, keep_state: bool, env_name: str) -> gym.
         raise ConfigError(f"env {env_name}: its Dict observation has no 'pixels' key (it has "
                           f"{', '.join(map(repr, space.spaces))}): name the camera image 'pixels' (and the "
                           "vector 'state'), or set env.pixels=true to render frames")
+    if looks_like_image(space) and not is_image_space(space):
+        raise _layout_error(space, env_name)
     if not is_image_space(space):
         raise ConfigError(
             f"env {env_name}: its observation {space} is not an image (uint8 HxWxC): set env.pixels=true to "

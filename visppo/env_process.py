@@ -2,11 +2,12 @@
 
 A user's env (``module:EnvId``) may segfault or call ``os._exit``; in the training process nothing
 runs after that (exit 139, no message). :class:`EnvProcess` builds the env in a forkserver child
-and forwards ``reset``, ``step``, ``render`` and ``close`` to it through a pipe: what the env
-returns or raises (``sys.exit`` included) arrives unchanged, and a child that dies makes the call
-raise an :class:`EnvError` naming the env and how its process ended. Vector envs of such envs step
-in gymnasium's async workers instead (:func:`visppo.envs.use_async`), whose deaths
-:func:`visppo.envs.worker_errors` names with :func:`how_it_ended`.
+and forwards ``reset``, ``step``, ``render``, ``close`` and (where the env has one) its side camera
+``render_view`` to it through a pipe: what the env returns or raises (``sys.exit`` included)
+arrives unchanged, and a child that dies makes the call raise an :class:`EnvError` naming the env
+and how its process ended. Vector envs of such envs step in gymnasium's async workers instead
+(:func:`visppo.envs.use_async`), whose deaths :func:`visppo.envs.worker_errors` names with
+:func:`how_it_ended`.
 (A leaf: imports nothing of visppo but its errors.)
 """
 
@@ -22,6 +23,10 @@ from typing import Any
 import gymnasium as gym
 
 from visppo.errors import EnvError
+
+VIEW = "render_view"
+"""The side camera of visppo's tasks and DMC envs (on the env's ``unwrapped``), which evaluation
+videos show beside the policy's frames."""
 
 
 def how_it_ended(exitcode: int | None) -> str:
@@ -54,10 +59,12 @@ class EnvProcess(gym.Env):
         self._open = True
         try:
             (self.observation_space, self.action_space, self.metadata, self.render_mode,
-             self.spec) = self._call("constructor")
+             self.spec, has_view) = self._call("constructor")
         except BaseException:
             self._end()
             raise
+        if has_view:  # evaluation videos look it up with getattr(env.unwrapped, "render_view", None)
+            self.render_view = self._render_view
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         return self._call("reset", seed=seed, options=options)
@@ -67,6 +74,11 @@ class EnvProcess(gym.Env):
 
     def render(self):
         return self._call("render")
+
+    def _render_view(self, width: int = 480, height: int = 480):
+        """The inner env's ``render_view`` (a side camera for videos): ``render_view`` of this
+        env only where the inner env has one, so that a video without one has no side panel."""
+        return self._call(VIEW, width=width, height=height)
 
     def close(self) -> None:
         if not self._open:
@@ -115,7 +127,7 @@ def _serve(conn, build: Callable[[], gym.Env], path: list[str]) -> None:
     try:
         env = build()
         _answer(conn, "returned", (env.observation_space, env.action_space, env.metadata, env.render_mode,
-                                   _picklable(env.spec)))
+                                   _picklable(env.spec), callable(getattr(env.unwrapped, VIEW, None))))
     except BaseException as exc:  # noqa: BLE001 - the parent raises it (sys.exit too)
         _answer(conn, "raised", exc)
         return
@@ -126,7 +138,8 @@ def _serve(conn, build: Callable[[], gym.Env], path: list[str]) -> None:
             env.close()
             return
         try:
-            _answer(conn, "returned", getattr(env, method)(*args, **kwargs))
+            owner = env.unwrapped if method == VIEW else env  # gymnasium's wrappers do not forward it
+            _answer(conn, "returned", getattr(owner, method)(*args, **kwargs))
         except BaseException as exc:  # noqa: BLE001
             _answer(conn, "raised", exc)
         if method == "close":

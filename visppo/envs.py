@@ -29,7 +29,7 @@ import numpy as np
 
 from visppo import seeding
 from visppo.config import Config
-from visppo.env_check import check_observation_space, env_errors, is_image_space, raised
+from visppo.env_check import check_observation_space, env_errors, looks_like_image, raised
 from visppo.env_process import EnvProcess, how_it_ended
 from visppo.errors import ConfigError, EnvError, RunError
 from visppo_envs._gl import ensure_headless_gl
@@ -348,8 +348,8 @@ def _make_code_env(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
         set_render_samples(env, cfg.env.render_samples, env_id)
     if steps:
         env = gym.wrappers.TimeLimit(env, steps)
-    if is_image_space(env.observation_space) or not cfg.env.pixels:
-        return env  # PixelDict refuses observations that are not images
+    if looks_like_image(env.observation_space) or not cfg.env.pixels:
+        return env  # PixelDict refuses observations that are not images, and CxHxW ones naming the transpose
     if env.render_mode != "rgb_array":
         env.close()
         raise ConfigError(f"the env of {env_id} observes no images and does not render frames (render_mode "

@@ -78,7 +78,7 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
     torch.set_num_threads(cfg.train.threads or 1)
     try:
         render_view = getattr(env.unwrapped, "render_view", None)
-        render_view = render_view if callable(render_view) else None
+        render_view = _env_call(render_view, cfg.env.id) if callable(render_view) else None
         if video is not None:
             video.parent.mkdir(parents=True, exist_ok=True)  # only now: the checks before have passed
         writer_cm = video_writer(video, video_fps(env, cfg.env.action_repeat)) if video is not None else no_writer()
@@ -88,9 +88,8 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
                       if writer is not None else None)
             for i in range(episodes):
                 # the first reset sets the stream's base; later ones step its episode index
-                with env_errors(cfg.env.id, "evaluation"):
-                    results.append(run_episode(env, policy, seed if i == 0 else None, deterministic, device,
-                                               record, env_id=cfg.env.id))
+                results.append(run_episode(env, policy, seed if i == 0 else None, deterministic, device,
+                                           record, env_id=cfg.env.id))
             written = writer.path if writer is not None else None
     finally:
         with contextlib.suppress(Exception, SystemExit):  # a failing env's error matters more
@@ -106,14 +105,25 @@ def _initialised_gpus() -> list[int]:
     return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
 
 
+def _env_call(call: Callable[..., Any], env_id: str) -> Callable[..., Any]:
+    """``call`` (a method of the env, e.g. its ``render_view``) with what it raises as the env's error."""
+    def env_part(*args: Any, **kwargs: Any) -> Any:
+        with env_errors(env_id, "evaluation"):
+            return call(*args, **kwargs)
+
+    return env_part
+
+
 def run_episode(env: gym.Env, policy: ActorCritic, seed: int | None, deterministic: bool, device: torch.device,
                 record=None, env_id: str = "(unnamed)") -> tuple[float, int, bool | None]:
     """One episode reset with ``seed`` (``None``: the env's next episode): (return, length, success or
-    None); ``record(obs)`` every frame. A non-finite reward or state, or an ``is_success`` that is not
-    a bool, is an EnvError naming ``env_id``, as in training."""
+    None); ``record(obs)`` every frame. What the env's reset and step raise, a non-finite reward or
+    state, or an ``is_success`` that is not a bool is an EnvError naming ``env_id``, as in training;
+    what the policy or ``record`` raises is theirs, and propagates as it is."""
     space = env.action_space
     low, high = (space.low, space.high) if isinstance(space, gym.spaces.Box) else (None, None)
-    obs, info = env.reset(seed=seed)
+    with env_errors(env_id, "evaluation"):
+        obs, info = env.reset(seed=seed)
     if record is not None:
         record(obs)
     total, length, done = 0.0, 0, False
@@ -125,12 +135,15 @@ def run_episode(env: gym.Env, policy: ActorCritic, seed: int | None, determinist
             env_action = np.clip(env_action, low, high)
         elif env_action.ndim == 0:
             env_action = int(env_action)
-        obs, reward, terminated, truncated, info = env.step(env_action)
-        check_rollout_step(env_id, np.asarray([reward], dtype=np.float64), {k: np.asarray(v)[None] for k, v in obs.items()})
-        total, length, done = total + float(reward), length + 1, bool(terminated or truncated)
+        with env_errors(env_id, "evaluation"):
+            obs, reward, terminated, truncated, info = env.step(env_action)
+            check_rollout_step(env_id, np.asarray([reward], dtype=np.float64),
+                               {k: np.asarray(v)[None] for k, v in obs.items()})
+            total, length, done = total + float(reward), length + 1, bool(terminated or truncated)
         if record is not None:
             record(obs)
-    success = bool(success_of(info["is_success"], env_id)) if "is_success" in info else None
+    with env_errors(env_id, "evaluation"):
+        success = bool(success_of(info["is_success"], env_id)) if "is_success" in info else None
     return total, length, success
 
 

@@ -41,3 +41,16 @@ def test_new_files_get_the_mode_a_plain_open_would_give(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "w.bin").stat().st_mode & 0o777 == (tmp_path / "plain.bin").stat().st_mode & 0o777 == 0o640
+
+
+def test_text_is_utf8_whatever_the_locale(tmp_path):
+    """visppo reads its YAML and JSON as UTF-8: a C locale must not make a write fail, or write
+    bytes the reader then calls not text."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.yaml"
+    code = f"from visppo.atomic import atomic_write_text; atomic_write_text({str(path)!r}, 'name: caf\\u00e9\\n')"
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    assert path.read_bytes() == "name: café\n".encode()

@@ -83,6 +83,32 @@ def test_item6_non_finite_weights_are_refused_by_resume_and_eval(run_copy, capsy
     assert snapshot(run_copy) == before
 
 
+@pytest.mark.parametrize("drop", ["config", "minibatch_generator", "run"])
+def test_a_checkpoint_without_what_resume_needs_is_one_error_line(run_copy, capsys, drop):
+    """Not a KeyError traceback from deep inside the resume; nothing in the run changes."""
+    latest = run_copy / "checkpoints" / "latest.pt"
+    ckpt = torch.load(latest, weights_only=True)
+    del (ckpt["config"] if drop == "run" else ckpt)[drop]
+    torch.save(ckpt, latest)
+    before = snapshot(run_copy)
+    code, err = run_main(capsys, "train", "--resume", run_copy, "ppo.total_steps=256")
+    assert code == 2
+    one_error_line(err, "cannot be resumed", "run section" if drop == "run" else drop)
+    assert snapshot(run_copy) == before
+
+
+def test_an_edited_config_yaml_is_refused_also_in_a_run_dir_yaml_would_misread(tmp_path, capsys):
+    """A run.dir with ': ' in it: loading config.yaml with it as an override failed, and the check
+    that refuses an edited config.yaml was skipped."""
+    run_dir = tmp_path / "lr: 3e-4"
+    assert main(["train", *tiny_overrides(None), f"run.dir='{run_dir}'"]) == 0  # quoted, as YAML needs
+    config = run_dir / "config.yaml"
+    config.write_text(config.read_text().replace("gamma: 0.99", "gamma: 0.5"))
+    code, err = run_main(capsys, "train", "--resume", run_dir, "ppo.total_steps=256")
+    assert code == 2
+    one_error_line(err, "ppo.gamma")
+
+
 def test_item15_divergence_before_any_checkpoint_names_none_and_no_amp_when_off(tmp_path, monkeypatch):
     import visppo.ppo as ppo_module
     from visppo.loop import train
@@ -319,8 +345,6 @@ def test_item17_a_sigterm_inside_an_env_call_while_the_run_starts_is_a_stop_not_
     import os
     import signal
 
-    import gymnasium as gym
-
     import visppo.loop as train_module
 
     def sigterm(reset):
@@ -329,14 +353,11 @@ def test_item17_a_sigterm_inside_an_env_call_while_the_run_starts_is_a_stop_not_
             return reset(*args, **kwargs)
         return reset_then_signal
 
-    if where == "check":
-        real_make = train_module.make_env
+    if where == "check":  # the env's own reset: the start check's is its first call
+        from visppo_envs.dot import DotReachEnv
 
-        class SignalOnReset(gym.Wrapper):
-            def reset(self, **kwargs):
-                return sigterm(self.env.reset)(**kwargs)
-
-        monkeypatch.setattr(train_module, "make_env", lambda cfg, *a: SignalOnReset(real_make(cfg, *a)))
+        real_reset = DotReachEnv.reset
+        monkeypatch.setattr(DotReachEnv, "reset", lambda self, **kwargs: sigterm(real_reset)(self, **kwargs))
     else:
         real_make_vector = train_module.make_vector_env
 
@@ -361,7 +382,7 @@ class _Started(BaseException):
 FUZZ_VALUES = [0, -1, 1, 2, 3, 4, 7, 8, 16, 32, 64, 100, 4096, 2.5, 0.5, 0.9, 0.01, -0.0, 1e-300, 1e9, 1e30,
                10**12, 2**70, "1e400", "nan", "-inf", "2e6", "1e12", "1_000", "0x10", "", "x", "auto", "cpu",
                "cuda:9", "off", "on", "sync", "none", "imagenet", "shift", "device", "visppo/DotReach-v0", "%",
-               "'", "[", "é", "a=b", None, True, False, [], [1, 2], {}, {"a": 1}]
+               "'", "[", "é", "a=b", "${x}", "\\${x}", None, True, False, [], [1, 2], {}, {"a": 1}]
 FUZZ_KEYS = ["ppo.nope", "nosection.key", "ppo", "env", "env.kwargs.foo", "env.kwargs", "a.b.c", "", "ppo.", ".x"]
 
 
@@ -445,6 +466,9 @@ def test_plot_into_a_directory_and_resume_of_a_file_are_refused(run_copy, capsys
     (["model.feature_dim=%"], None, "cannot parse override 'model.feature_dim=%'"),  # was three lines
     ([], "ppo: 5\n", "'ppo' in"),  # OmegaConf's "int is not a subclass of PPOConfig"
     ([], "env: [1, 2]\n", "must be a section of keys"),
+    (["run.dir=/data/${USER}/run"], None, "'run.dir': Interpolation key 'USER' not found"),  # a traceback
+    ([r"run.wandb_name=\${x}"], None, "run.wandb_name='${x}': a '${' in a value"),  # failed at the 1st save
+    ([], "env:\n  kwargs:\n    look: \\${x}\n", "env.kwargs.look='${x}'"),
 ])
 def test_more_config_values_are_one_line(tmp_path, capsys, overrides, text, needle):
     args = list(overrides)

@@ -81,6 +81,22 @@ def test_overrides_may_follow_options():
     assert ns.args == ["c.yaml", "model.encoder_checkpointing=true"] and ns.budget == "8GiB"
 
 
+def test_a_config_in_a_folder_named_with_an_equals_sign_is_a_config(tmp_path, capsys, monkeypatch):
+    """Sweep folders are often named key=value (runs/lr=3e-4): the restart command visppo prints,
+    `visppo train RUN/config.yaml run.dir=NEW`, must work for them."""
+    folder = tmp_path / "lr=3e-4"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("ppo:\n  num_envs: 3\n")
+    assert main(["config", str(folder / "config.yaml"), "ppo.num_steps=64"]) == 0
+    assert "num_envs: 3" in capsys.readouterr().out
+    monkeypatch.chdir(folder)  # a file in the working directory whose name has an '='
+    (folder / "gamma=0.9.yaml").write_text("ppo:\n  num_envs: 5\n")
+    assert main(["config", "gamma=0.9.yaml"]) == 0
+    assert "num_envs: 5" in capsys.readouterr().out
+    assert main(["config", "gamma=0.9"]) == 2  # not a file: an override, and a bad one
+    assert "must name section.key" in capsys.readouterr().err
+
+
 def test_positionals_may_follow_options_in_every_command():
     """eval's env overrides and plot's run directories too, not only the commands' ``args``."""
     ns = parse(["eval", "RUN", "--episodes", "1", "env.image_size=64", "--deterministic", "env.frame_stack=2"])

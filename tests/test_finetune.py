@@ -299,9 +299,11 @@ def test_an_encoder_lr_scale_of_zero_freezes_the_trunk_for_good(tmp_path):
     ({"proj.0.bias": [0.0, 1.0]}, r"entry 'proj\.0\.bias' holds a list"),
     ({0: torch.zeros(3)}, r"entry 0 holds a Tensor"),
     ({"model": {"encoder.pixels.proj.0.bias": "zeros"}, "iteration": 3}, r"'model' entry is not a state dict"),
+    ({"conv1.weight": torch.tensor([1.0, float("nan")])}, r"holds non-finite weights \(conv1\.weight\)"),
 ])
 def test_a_weights_file_that_is_not_a_state_dict_is_one_config_error(tmp_path, content, match):
-    """Not a RuntimeError from load_state_dict, nor an AttributeError on a key that is not a string."""
+    """Not a RuntimeError from load_state_dict, nor an AttributeError on a key that is not a string,
+    nor NaN weights that the first rollout would blame on the env."""
     path = tmp_path / "bad.pth"
     torch.save(content, path)
     with pytest.raises(ConfigError, match=match):

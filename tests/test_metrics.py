@@ -1,10 +1,12 @@
-"""Phase timers, the one-iteration profiler trace, and the Weights & Biases tracker."""
+"""Phase timers, the one-iteration profiler trace, metrics.csv and TensorBoard on resume, and the
+Weights & Biases tracker."""
 
 from __future__ import annotations
 
 import csv
 import gzip
 import json
+import os
 import struct
 import sys
 import time
@@ -13,7 +15,7 @@ import pytest
 import torch
 from conftest import one_error_line, run_main, tiny_overrides
 
-from visppo.metrics import PhaseTimer, iteration_profiler
+from visppo.metrics import Logger, PhaseTimer, _drop_rows_after, iteration_profiler
 
 
 def test_phase_timer_adds_up_each_phase_per_lap():
@@ -134,3 +136,57 @@ def test_without_wandb_one_error_line_names_the_extra_and_nothing_is_written(tmp
     assert code == 2
     one_error_line(err, "run.wandb=true", 'pip install -e ".[wandb]"')
     assert not (tmp_path / "run").exists()
+
+
+def _csv(path, lines: list[str], end: str = "\r\n") -> None:
+    path.write_bytes((end.join(lines) + end).encode())
+
+
+def test_resume_keeps_rows_up_to_its_step_and_drops_a_line_cut_short(tmp_path):
+    path = tmp_path / "metrics.csv"
+    _csv(path, ["global_step,loss", "128,1.5", "256,2.5", "384,3.5"])
+    with path.open("ab") as f:
+        f.write(b"512,4.")  # a kill cut this row short
+    assert _drop_rows_after(path, 256) == ["global_step", "loss"]
+    assert path.read_bytes() == b"global_step,loss\r\n128,1.5\r\n256,2.5\r\n"
+    _drop_rows_after(path, 256)  # nothing left to drop: the file is kept as it is
+    assert path.read_bytes() == b"global_step,loss\r\n128,1.5\r\n256,2.5\r\n"
+
+
+def test_a_header_cut_short_leaves_no_file_for_the_next_row_to_glue_onto(tmp_path):
+    path = tmp_path / "metrics.csv"
+    path.write_bytes(b"global_step,lo")
+    assert _drop_rows_after(path, 256) is None
+    assert not path.exists()
+
+
+def test_a_crash_while_rewriting_keeps_the_old_file_whole(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.csv"
+    _csv(path, ["global_step,loss", "128,1.5", "256,2.5"])
+    before = path.read_bytes()
+
+    def crash(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", crash)  # the rewrite dies before its rename
+    with pytest.raises(OSError):
+        _drop_rows_after(path, 128)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.csv"]  # no temporary file left either
+
+
+def test_tensorboard_of_a_resumed_run_drops_the_events_after_its_checkpoint(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = Logger(tmp_path, total_steps=512, progress=False)
+    for step in (128, 256, 384):
+        first.log(step, {"loss": float(step)})
+    first.close()
+    resumed = Logger(tmp_path, total_steps=512, initial_step=256, progress=False)
+    resumed.log(384, {"loss": -1.0})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(128, 128.0), (256, 256.0), (384, -1.0)]
+    assert [int(r["global_step"]) for r in csv.DictReader((tmp_path / "metrics.csv").open())] == [128, 256, 384]

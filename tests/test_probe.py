@@ -390,6 +390,9 @@ def test_real_mode_on_a_gpu_caps_the_allocator_of_an_indexed_device(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=80 * 2**30))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda fraction, device=None: caps.append((fraction, _get_device_index(device))))
+    kept = []  # the probe keeps the target GPU's RNG state as it found it
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": kept.append(device) or torch.zeros(1))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": None)
 
     class ModelBuilt(Exception):
         pass
@@ -400,7 +403,7 @@ def test_real_mode_on_a_gpu_caps_the_allocator_of_an_indexed_device(monkeypatch)
     monkeypatch.setattr(probe_mod, "Prober", stop)
     with pytest.raises(ModelBuilt):
         probe(load_config(None, tiny_overrides()), "8GiB", "cuda", mode="real")
-    assert caps == [(0.1, 3)]
+    assert caps == [(0.1, 3)] and kept == [3]
     probe_mod.emulate_smaller_card(8 * 2**30, torch.device("cuda", 1))  # an index given is kept
     probe_mod.emulate_smaller_card(80 * 2**30, torch.device("cuda"))  # the whole card: no cap
     assert caps == [(0.1, 3), (0.1, 1)]
@@ -451,3 +454,14 @@ def test_allreduce_line_is_the_flat_gradient_copy_when_parameters_outweigh_the_p
         transient = lines["activations"] + lines["conv_workspace"]
         assert transient < flat / 2, (kind, size, lines)  # the config does what it is for
         assert lines["allreduce_buffer"] == flat - transient > 0, (kind, size, lines)
+
+
+@pytest.mark.parametrize("mode", ["fake", "real"])
+def test_probe_leaves_the_callers_rng_as_it_found_it(mode):
+    """A run asks the probe for its `auto` sizes after seeding: the probe's own policy must not
+    move the run's random stream (tests/test_train.py checks the trained parameters)."""
+    cfg = load_config(None, tiny_overrides())
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    probe(cfg, "1GiB", "cpu", mode)
+    assert torch.equal(torch.get_rng_state(), before)

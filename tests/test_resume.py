@@ -15,6 +15,7 @@ from conftest import tiny_overrides
 import visppo.checkpoint as ckpt_module
 from visppo.checkpoint import load, load_for_resume
 from visppo.config import load_config
+from visppo.errors import UserError
 from visppo.loop import train
 
 # episodes of 16 steps, rollouts of 32: every iteration starts on fresh episodes
@@ -178,3 +179,63 @@ def test_a_resumed_run_starts_its_episodes_discounted_returns_from_zero(tmp_path
         assert torch.all(run.reward_scale.running == 0)
         assert run.reward_scale.count == ckpt["reward_scale"]["count"]
         assert run.reward_scale.var == ckpt["reward_scale"]["var"]
+
+
+def test_a_branch_from_an_earlier_checkpoint_is_the_runs_head_before_its_first_save(tmp_path, monkeypatch):
+    """Resume from iter_2 of a 4-iteration run, crash before the branch saves: `--resume RUN` goes on
+    from iteration 2 (the branch), not from the abandoned iteration 4 whose metrics rows are gone."""
+    run_dir = train(load_config(None, tiny_overrides(tmp_path, **EXACT, **{"run.keep_checkpoints": 10})))
+    assert load(run_dir / "checkpoints" / "latest.pt")["iteration"] == 4
+    cfg, ckpt = load_for_resume(run_dir / "checkpoints" / "iter_000002.pt")
+
+    def killed(*args, **kwargs):
+        raise Interrupted
+
+    monkeypatch.setattr(ckpt_module, "save_checkpoint", killed)
+    with pytest.raises(Interrupted):
+        train(cfg, resume=ckpt)
+    monkeypatch.undo()
+    assert load(run_dir / "checkpoints" / "latest.pt")["iteration"] == 2
+    cfg, ckpt = load_for_resume(run_dir)
+    assert ckpt["iteration"] == 2
+    train(cfg, resume=ckpt)
+    steps = [int(r["global_step"]) for r in csv.DictReader((run_dir / "metrics.csv").open())]
+    assert steps == [64, 128, 192, 256]
+
+
+def test_a_checkpoint_written_after_it_was_read_stops_the_resume(tmp_path):
+    """The resume read the checkpoint before it took the run's lock: if the run that held the lock
+    saved in between, going on from the older state would redo that work over it."""
+    run_dir = train(load_config(None, tiny_overrides(tmp_path, **EXACT)))
+    cfg, ckpt = load_for_resume(run_dir, ["ppo.total_steps=320"])
+    latest = run_dir / "checkpoints" / "latest.pt"
+    os.utime(latest, ns=(latest.stat().st_atime_ns, latest.stat().st_mtime_ns + 1))  # a save since
+    before = (run_dir / "metrics.csv").read_bytes()
+    with pytest.raises(UserError, match="written while this resume started"):
+        train(cfg, resume=ckpt)
+    assert (run_dir / "metrics.csv").read_bytes() == before
+
+
+def test_a_run_moved_to_another_machine_may_change_its_devices_but_not_its_precision_silently(tmp_path, capsys):
+    """train.device and rollout.device are the machine's (a GPU run resumed on a CPU): resumable. The
+    precision the run trained in is kept unless train.amp is given: `auto` resolved again elsewhere
+    would switch it (here the checkpoint says bf16, as a GPU run's would, and auto picks fp32)."""
+    from visppo.cli import main
+
+    run_dir = train(load_config(None, tiny_overrides(tmp_path, **{"train.amp": "auto"})))
+    latest = run_dir / "checkpoints" / "latest.pt"
+    ckpt = torch.load(latest, weights_only=True)
+    assert ckpt["amp"] == "off"
+    ckpt["amp"] = "bf16"
+    torch.save(ckpt, latest)
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"}
+    assert main(["train", "--resume", str(run_dir), "ppo.total_steps=192"]) == 2
+    err = capsys.readouterr().err
+    assert "the run trained with amp bf16, and its train.amp=auto picks off here" in err
+    assert "train.amp=bf16" in err and "train.amp=off" in err
+    assert {p: p.read_bytes() for p in before} == before  # refused: nothing changed
+    assert main(["train", "--resume", str(run_dir), "ppo.total_steps=192", "train.amp=off",
+                 "train.device=auto", "rollout.device=cpu"]) == 0
+    resumed = load(latest)
+    assert resumed["global_step"] == 192 and resumed["amp"] == "off"
+    assert resumed["config"]["train"]["device"] == "auto" and resumed["config"]["train"]["amp"] == "off"

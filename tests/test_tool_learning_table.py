@@ -101,6 +101,40 @@ def test_plot_wraps_panels_into_rows(tmp_path, capsys):
     assert (width, height) == (round(4.5 * lt.PANELS_PER_ROW * 110), round(3.5 * 2 * 110))
 
 
+def test_a_crash_while_writing_the_markdown_or_the_plot_keeps_the_old_file_whole(tmp_path, capsys, monkeypatch):
+    """--markdown and --plot go through visppo.atomic: a write that dies part way (here a full disk
+    at the markdown's flush, a savefig that stops half way) leaves the previous file as it was."""
+    import os
+
+    from matplotlib.figure import Figure
+
+    out = tmp_path / "table"
+    fake_run(out / "reach" / "seed1", "visppo/Reach-v0", 2000, [(1000, 1.0, 0.0), (2000, 3.0, 0.5)])
+    md, png = tmp_path / "t.md", tmp_path / "p.png"
+    md.write_text("old table\n")
+    png.write_bytes(b"old image")
+
+    def half_a_figure(self, fname, **kwargs):
+        with open(fname, "wb") if isinstance(fname, (str, os.PathLike)) else fname as f:
+            f.write(b"\x89PNG half")
+        raise RuntimeError("killed mid-write")
+
+    monkeypatch.setattr(Figure, "savefig", half_a_figure)
+    with pytest.raises(RuntimeError, match="killed mid-write"):
+        lt.main(["table", str(out), "--at", "2k", "--markdown", str(md), "--plot", str(png)])
+    assert png.read_bytes() == b"old image" and md.read_text().startswith("| config |")  # the table came first
+    md.write_text("old table\n")
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        lt.main(["table", str(out), "--at", "2k", "--markdown", str(md)])
+    assert md.read_text() == "old table\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.png", "t.md", "table"]  # no temporary file left
+
+
 def test_table_per_seed_lists_each_seeds_return_in_seed_order(tmp_path, capsys):
     out = tmp_path / "abl" / "base"
     for seed, ret in ((10, 30.0), (2, 20.0), (1, 10.0)):  # seed10 sorts after seed2 as a number, not as text
@@ -284,6 +318,25 @@ def test_iqm_says_so_when_no_dmc_task_or_no_common_seed(tmp_path):
     fake_run(out / "b" / "seed2", "dmc:walker-run", 4000, [(4096, 5.0, "")], final=2.0)
     [summary] = lt.iqm_summary(lt.final_results([out]), reps=10)
     assert math.isnan(summary["iqm"]) and "share no evaluated seed" in lt.iqm_line(summary)
+
+
+def test_two_configs_of_one_dmc_task_in_a_variant_are_refused_not_counted_twice(tmp_path, capsys):
+    """The IQM takes one score per task and seed: a second config of cartpole-swingup (same env.id,
+    same look) in the same folder is another method, not another task."""
+    out = tmp_path / "table"
+    dmc_runs(out)
+    dmc_runs(out, {"dmc_cartpole_swingup_lr": ("dmc:cartpole-swingup", (500.0, 600.0))})
+    with pytest.raises(lt.UsageError, match="dmc_cartpole_swingup and dmc_cartpole_swingup_lr are the same"):
+        lt.iqm_summary(lt.final_results([out]), reps=10)
+    md = tmp_path / "t.md"
+    code, text, err = table(capsys, out, "--at", "500k", "--reps", "10", "--markdown", md)
+    assert code == 2 and text == "" and not md.exists()
+    one_error_line(err, "dmc_cartpole_swingup_lr", "dmc:cartpole-swingup, fast look", "count twice")
+    # the same env in another look is another task
+    dmc_runs(tmp_path / "b", {"dmc_cartpole_swingup_lr": ("dmc:cartpole-swingup", (500.0, 600.0))}, look=None)
+    dmc_runs(tmp_path / "b", look="fast")
+    [summary] = lt.iqm_summary(lt.final_results([tmp_path / "b"]), reps=10)
+    assert len(summary["tasks"]) == 5
 
 
 # --------------------------------------------------------------------------- bad input

@@ -55,3 +55,15 @@ def test_bad_arguments_exit_2_and_write_nothing(tmp_path, capsys):
     (tmp_path / "file").write_text("")  # a folder under a file: refused before any training
     assert tool.main([str(TOOLS.parent / "configs" / "dot_reach.yaml"), "--out", str(tmp_path / "file" / "run")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_a_crash_while_writing_metrics_leaves_no_half_file_for_the_learning_table(tmp_path):
+    """The row that cannot be written (a key not in the header) stops the write after the header and
+    the first row: metrics.csv is then absent, not a half file the learning table would read."""
+    tool = _tool()
+    path = tmp_path / "metrics.csv"
+    with pytest.raises(ValueError, match="fields not in fieldnames"):
+        tool.write_metrics(path, [{"global_step": 64, "episode_return": 1.0}, {"global_step": 128, "bogus": 2.0}])
+    assert list(tmp_path.iterdir()) == []
+    tool.write_metrics(path, [{"global_step": 64, "episode_return": 1.0}])
+    assert path.read_text().splitlines() == ["global_step,episode_return", "64,1.0"]

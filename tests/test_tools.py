@@ -158,6 +158,23 @@ def test_bench_update_compares_a_plain_update_with_visppos_and_writes_json(tmp_p
     assert rows[0]["ratio"] == 1.0
 
 
+def test_bench_update_json_is_whole_or_absent_when_its_write_dies(tmp_path, capsys, monkeypatch):
+    """A full disk while --json is written (visppo.atomic's fsync fails) keeps the previous file."""
+    import os
+
+    out = tmp_path / "update.json"
+    out.write_text('{"old": true}')
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        call(capsys, "bench_update", *tiny(), "--micro", "0", "--amp", "off", "--repeats", "1", "--json", out)
+    assert json.loads(out.read_text()) == {"old": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["update.json"]  # no temporary file left
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--micro", "x"], "invalid literal"),
     (["--micro", "-1"], "--micro sizes >= 0"),

@@ -16,14 +16,15 @@ def _final_params(run_dir):
 
 
 def test_memory_knobs_do_not_change_the_trained_parameters(tmp_path):
-    """Same run, different micro-batch and chunk sizes (dividing and not): same parameters."""
+    """Same run, different micro-batch and chunk sizes (dividing and not, or found by the probe,
+    which builds a policy of its own and must leave the run's RNG as it was): same parameters."""
     common = dict(**{"ppo.num_steps": 25, "ppo.minibatch_size": 20, "ppo.total_steps": 100,
                      "ppo.recompute_logp_old": "true", "ppo.recompute_advantages": "true",
                      "ppo.clip_value": "true", "train.deterministic": "true"})
     runs = {}
-    for name, micro, chunk in [("whole", 0, 1024), ("split", 6, 7), ("even", 10, 25)]:
+    for name, micro, chunk in [("whole", 0, 1024), ("split", 6, 7), ("even", 10, 25), ("auto", "auto", "auto")]:
         cfg = load_config(None, tiny_overrides(tmp_path / name, **common, **{
-            "memory.micro_batch_size": micro, "memory.infer_chunk_size": chunk}))
+            "memory.micro_batch_size": micro, "memory.infer_chunk_size": chunk, "memory.budget": "1GiB"}))
         runs[name] = _final_params(train(cfg))
     ref = runs.pop("whole")
     for name, params in runs.items():
@@ -321,3 +322,27 @@ def test_every_periodic_evaluation_gets_a_row_whatever_log_every_is(tmp_path):
     rows = list(csv.DictReader((train(cfg) / "metrics.csv").open()))
     assert [int(r["iteration"]) for r in rows] == [2, 3, 4]
     assert [r["eval/return"] == "nan" for r in rows] == [True, False, False]
+
+
+def test_a_row_s_speed_and_phase_times_cover_every_iteration_since_the_previous_row(tmp_path, monkeypatch):
+    """run.log_every=2 over 4 iterations: each row's steps/s and time/* sum the laps of its two
+    iterations. A fake clock whose ticks grow makes every lap's wall time differ, so the last lap
+    alone could not give the same figures."""
+    import itertools
+    from types import SimpleNamespace
+
+    import visppo.metrics as metrics
+
+    ticks = itertools.accumulate(itertools.count(1))  # 1, 3, 6, 10, ...: one tick per clock reading
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    laps, real_lap = [], metrics.PhaseTimer.lap
+    monkeypatch.setattr(metrics.PhaseTimer, "lap", lambda self: laps.append(real_lap(self)) or laps[-1])
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"run.log_every": 2, "ppo.total_steps": 256}))
+    rows = list(csv.DictReader((train(cfg) / "metrics.csv").open()))
+    assert [int(r["iteration"]) for r in rows] == [2, 4] and len(laps) == 4
+    for row, covered in zip(rows, (laps[:2], laps[2:])):
+        wall = sum(w for _, w in covered)
+        assert float(row["steps_per_second"]) * wall == pytest.approx(2 * 64)  # the row's span: 2 rollouts
+        phases = {k[5:]: float(v) for k, v in row.items() if k.startswith("time/")}
+        assert phases == pytest.approx({k: sum(s.get(k, 0.0) for s, _ in covered) for k in phases})
+        assert sum(phases.values()) <= wall

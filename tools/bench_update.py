@@ -33,6 +33,7 @@ from pathlib import Path
 import gymnasium as gym
 import torch
 
+from visppo.atomic import atomic_write_text
 from visppo.buffer import RolloutBuffer
 from visppo.builders import build_optimizer, build_policy, resolve_device
 from visppo.config import Config, load_config
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(rows))
     if ns.json:
-        ns.json.write_text(json.dumps({
+        atomic_write_text(ns.json, json.dumps({  # whole or absent, whatever stops the tool
             "env": cfg.env.id, "pixels": list(obs_space["pixels"].shape), "rollout": buffer.size,
             "minibatch_size": cfg.ppo.minibatch_size, "device": str(device),
             "threads": torch.get_num_threads(), "torch": torch.__version__,

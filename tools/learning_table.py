@@ -38,7 +38,8 @@ that takes longer than the machine keeps its run folders goes on from what was k
   suite's 0-1000 scale (the convention for DMC): they are not normalised, so other tasks,
   whose returns share no scale, are left out of it. The IQM takes the seeds every DMC task of
   the variant has, one score per (task, seed), and names the runs it leaves out; tasks resample
-  their runs separately. The resampling is seeded, so the interval is the same every printing.
+  their runs separately. A task is an env.id and look: a variant with two configs of one task
+  is refused (it would count that task twice). The resampling is seeded, so the interval is the same every printing.
 
 ``--per-seed`` adds each seed's return after the mean, in seed order, so a later run of one
 seed can be set beside the same seed of an earlier table. ``--markdown F`` writes what is
@@ -49,7 +50,8 @@ An ablation is one ``run`` folder per variant (``--out runs/abl/<variant>`` with
 the variants of a config in one panel, side by side, and gives each variant its own IQM.
 
 Bad input (a missing config or folder, a step count that is not one, a run folder without its
-config.yaml, ``--parallel 0``, a run folder under ``--out`` that another recipe started) prints one ``error:`` line and exits with 2, writing nothing.
+config.yaml, ``--parallel 0``, a run folder under ``--out`` that another recipe started, two configs
+of one DMC task in a variant) prints one ``error:`` line and exits with 2, writing nothing.
 """
 
 from __future__ import annotations
@@ -296,8 +298,9 @@ def value_at(rows: list[dict[str, float]], column: str, step: int) -> float:
 
 
 def wall_minutes(rows: list[dict[str, float]], step: int) -> float:
-    """Minutes of training up to ``step``: the sum over iterations of rollout / steps-per-second
-    (NaN when the run did not log its speed, as tools/sb3_dmc.py's runs do not)."""
+    """Minutes of training up to ``step``: the sum over rows of the steps since the previous row over
+    the row's steps/s, which visppo measures over every iteration since that row, whatever
+    ``run.log_every`` (NaN when the run did not log its speed, as tools/sb3_dmc.py's runs do not)."""
     total, previous = 0.0, 0.0
     for r in rows:
         total += (r["global_step"] - previous) / r.get("steps_per_second", math.nan)
@@ -409,10 +412,30 @@ def final_results(outs: list[Path]) -> list[dict]:
     return table
 
 
+def check_one_config_per_task(final: list[dict]) -> None:
+    """Refuse a variant with two configs of one DMC task (the same env.id and look): the IQM takes
+    one score per task and seed, and the two would count that task twice. They are two methods (or
+    one run twice), not two tasks, and no average of them is the variant's score: each belongs in
+    a run folder of its own, a variant of its own."""
+    seen: dict[tuple[str, str, str], str] = {}
+    for r in final:
+        if not r["env"].startswith("dmc:"):
+            continue
+        key = (r["variant"], r["env"], r["look"])
+        if key in seen:
+            where = f" in {r['variant']}" if r["variant"] else ""
+            raise UsageError(f"{seen[key]} and {r['task']}{where} are the same DMC task ({r['env']}, "
+                             f"{r['look']} look), which the IQM would count twice: move one into a run "
+                             "folder of its own and give both folders (a variant each)")
+        seen[key] = r["task"]
+
+
 def iqm_summary(final: list[dict], reps: int = 50_000, seed: int = 0) -> list[dict]:
     """Per variant: the IQM of the raw final returns over its DMC tasks (one score per task and
     seed, the seeds every such task has) and its 95% stratified bootstrap interval (rliable; NaN
-    with one seed per task)."""
+    with one seed per task). A task is an env.id and look: two configs of one task in a variant
+    are refused (:func:`check_one_config_per_task`)."""
+    check_one_config_per_task(final)
     import numpy as np
     from rliable import library as rly
     from rliable import metrics
@@ -571,6 +594,8 @@ def plot(outs: list[Path], path: Path, column: str = "episode_return") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from visppo.plot import save_figure  # the image is whole or absent, whatever stops the tool
+
     found = groups(outs)
     configs = list(dict.fromkeys(config for config, _, _ in found))
     cols = min(len(configs), PANELS_PER_ROW)
@@ -587,7 +612,7 @@ def plot(outs: list[Path], path: Path, column: str = "episode_return") -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def _band(ax, runs: list[list[dict[str, float]]], column: str, name: str) -> None:
@@ -720,13 +745,16 @@ def cmd_table(ns: argparse.Namespace, rest: list[str]) -> int:
     text = markdown(summarize(ns.out, steps), ns.per_seed)
     final = final_results(ns.out)
     if final:
+        check_one_config_per_task(final)  # the goal lines count tasks too, with or without rliable
         iqm = have_rliable()
         text += "\n\n" + final_markdown(final, iqm_summary(final, ns.reps) if iqm else [], ns.per_seed)
         if not iqm:
             text += "\n\nIQM: not computed, it needs rliable (pip install -e \".[test]\" or pip install rliable)"
     print(text)
     if ns.markdown:
-        ns.markdown.write_text(text + "\n")
+        from visppo.atomic import atomic_write_text  # whole or absent, whatever stops the tool
+
+        atomic_write_text(ns.markdown, text + "\n")
     if ns.plot:
         plot(ns.out, ns.plot, ns.column)
     return 0

@@ -36,7 +36,7 @@ import gymnasium as gym  # noqa: E402
 import numpy as np  # noqa: E402
 
 from visppo import seeding  # noqa: E402
-from visppo.atomic import check_writable  # noqa: E402
+from visppo.atomic import atomic_write, atomic_write_text, check_writable  # noqa: E402
 from visppo.config import Config, load_config, to_yaml  # noqa: E402
 from visppo.envs import make_env  # noqa: E402
 from visppo.errors import UserError  # noqa: E402
@@ -109,16 +109,25 @@ def train(cfg: Config, seed: int, steps: int, num_envs: int, out: Path, eval_epi
     finally:
         envs.close()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sb3.json").write_text(json.dumps(hyperparameters(model), indent=2))
+    # every file whole or absent, final_eval.json last: a folder the learning table reads half of
+    # (a kill mid-write) would enter its tables
+    atomic_write_text(out / "sb3.json", json.dumps(hyperparameters(model), indent=2))
     cfg.ppo.total_steps, cfg.ppo.num_envs, cfg.train.seed = steps, num_envs, seed
-    (out / "config.yaml").write_text(to_yaml(cfg))
-    with (out / "metrics.csv").open("w", newline="") as f:
+    atomic_write_text(out / "config.yaml", to_yaml(cfg))
+    write_metrics(out / "metrics.csv", rows)
+    result = evaluate(model, cfg, eval_episodes)
+    atomic_write_text(out / "final_eval.json", json.dumps(result, indent=2))
+    return result
+
+
+def write_metrics(path: Path, rows: list[dict]) -> None:
+    """``metrics.csv`` as visppo writes it (``global_step``, ``episode_return``), whole or absent."""
+    def write(f) -> None:
         writer = csv.DictWriter(f, fieldnames=["global_step", "episode_return"])
         writer.writeheader()
         writer.writerows(rows)
-    result = evaluate(model, cfg, eval_episodes)
-    (out / "final_eval.json").write_text(json.dumps(result, indent=2))
-    return result
+
+    atomic_write(path, write, binary=False)
 
 
 def hyperparameters(model) -> dict:

@@ -40,7 +40,8 @@ def atomic_write(path: Path, write: Callable[[IO], None], binary: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb" if binary else "w") as f:
+        # text: UTF-8, as visppo reads it back; newline="": written as given (csv ends its own lines)
+        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8", newline="")) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

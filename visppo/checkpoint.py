@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from visppo import distributed
-from visppo.atomic import atomic_write, file_mode
+from visppo.atomic import atomic_write, atomic_write_bytes, file_mode
 from visppo.config import (
     RESUMABLE,
     Config,
@@ -137,6 +137,9 @@ def read_weights_file(path: Path) -> dict:
         what = str(path) if state is obj else f"{path}'s 'model' entry"
         raise ConfigError(f"model.encoder_weights: {what} is not a state dict: its entry {bad[0]!r} holds a "
                           f"{type(bad[1]).__name__}, where a state dict maps names to tensors")
+    nan = non_finite(state)
+    if nan:  # else the first rollout's NaN actions would read as the env's fault
+        raise ConfigError(f"model.encoder_weights: {path} holds non-finite weights ({nan}): give another file")
     return obj
 
 
@@ -219,7 +222,7 @@ def rank_state(generator: torch.Generator, envs, reward_scale=None) -> dict:
 def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler | None, iteration: int, global_step: int,
                     memory_sizes: dict[str, int], ranks: list[dict], recent: list[dict],
-                    ended_since_row: int = 0) -> Path:
+                    ended_since_row: int = 0, amp: str = "") -> Path:
     """Write ``checkpoints/latest.pt`` and ``iter_N.pt`` atomically; keep the last few numbered ones.
 
     ``ranks``: every process's :func:`rank_state` (one under a single process); rank 0's
@@ -228,6 +231,7 @@ def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimiz
     over the same window rather than starting again from the episodes after the cut.
     ``ended_since_row``: the episodes finished since the last metrics row, which the next row's
     ``episodes`` column counts (a checkpoint can fall between rows when ``run.log_every`` > 1).
+    ``amp``: the precision the update ran in (``train.amp`` resolved: :func:`check_same_precision`).
     """
     folder = run_dir / "checkpoints"
     state = {
@@ -241,6 +245,7 @@ def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimiz
         "memory_sizes": memory_sizes,
         "recent_episodes": list(recent),  # plain floats and ints (rollout.collect): weights_only loads them
         "episodes_since_row": int(ended_since_row),
+        "amp": amp,
     }
     if len(ranks) > 1:
         state.update(world_size=len(ranks), ranks=ranks)
@@ -279,6 +284,30 @@ def resume_paths(source: str | Path) -> tuple[Path, Path]:
     return run_dir, latest
 
 
+SOURCE = "resumed_from"
+"""In a checkpoint loaded to resume (not in the file): (path, mtime_ns, size) as it was read."""
+
+
+def claim_resume(run_dir: Path, ckpt: dict) -> None:
+    """Under the run-dir lock, before the logs drop what came after the checkpoint: the file read is
+    still as it was (a run that held the lock may have saved since: resuming its older state would
+    redo that work over it), and a resume from an earlier ``iter_N.pt`` makes that file the run's
+    ``latest.pt`` at once, so that a crash before the branch's first checkpoint leaves ``--resume
+    RUN`` on the branch, not on the one abandoned, whose metrics rows are already dropped."""
+    path, mtime_ns, size = ckpt[SOURCE]
+    path = Path(path)
+    now = path.stat()
+    if (now.st_mtime_ns, now.st_size) != (mtime_ns, size):
+        raise UserError(f"{path} was written while this resume started (the run was still going): resume again")
+    latest = run_dir / "checkpoints" / "latest.pt"
+    if path.resolve() != latest.resolve():
+        atomic_write_bytes(latest, path.read_bytes())
+
+
+RESUME_KEYS = ("config", "optimizer", "iteration", "global_step", "rng", "minibatch_generator", "env_episodes")
+"""What a checkpoint needs besides its weights to go on training (:func:`restore`)."""
+
+
 def load_for_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, dict]:
     """The saved config (with the few allowed overrides) and the checkpoint of a run directory
     (or of one of its ``checkpoints/*.pt`` files)."""
@@ -290,7 +319,14 @@ def load_for_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"{key} cannot change when resuming (only {', '.join(RESUMABLE)}); "
                               "start a new run for other changes")
     check_link(run_dir, latest)
+    read = latest.stat()
     ckpt = load(latest)
+    ckpt[SOURCE] = (str(latest), read.st_mtime_ns, read.st_size)  # for claim_resume; never saved
+    missing = [key for key in RESUME_KEYS if key not in ckpt]
+    if missing or not (isinstance(ckpt["config"], dict) and isinstance(ckpt["config"].get("run"), dict)):
+        raise CheckpointError(f"checkpoint {latest} cannot be resumed: it has no "
+                              f"{', '.join(missing) or 'run section in its config'} (visppo train writes "
+                              "them all): resume from another checkpoint or start a new run")
     saved = ckpt["config"]
     saved["run"]["dir"] = str(run_dir)
     why = not_resumable(saved)
@@ -321,7 +357,7 @@ def check_same_run(run_dir: Path, checkpoint: Path, cfg: Config, overridden: set
     ``--resume`` was given, for the command to suggest). A config.yaml visppo cannot read is left to
     the user."""
     try:
-        on_disk = load_config(run_dir / "config.yaml", [f"run.dir={run_dir}"])
+        on_disk = load_config(run_dir / "config.yaml")  # run.dir is not compared (a moved run's differs)
     except (UserError, OSError):
         return
     for name, value, theirs in differences(cfg, on_disk):
@@ -335,6 +371,16 @@ def check_same_run(run_dir: Path, checkpoint: Path, cfg: Config, overridden: set
                           f"and {run_dir / 'config.yaml'} says {theirs}: resume the run it belongs to, put "
                           f"this run's own checkpoint back, or set {name} back to {value} in config.yaml "
                           "if it was edited")
+
+
+def check_same_precision(cfg: Config, ckpt: dict, amp: str) -> None:
+    """A resume trains in the precision its run trained in unless ``train.amp`` is given anew:
+    ``auto`` resolved again on another machine (a CPU run resumed on a GPU) would switch it silently."""
+    saved = ckpt.get("amp")
+    if not saved or saved == amp or cfg.train.amp != ckpt["config"]["train"]["amp"]:
+        return  # an older checkpoint, the same precision, or a train.amp given on purpose
+    raise ConfigError(f"the run trained with amp {saved}, and its train.amp={cfg.train.amp} picks {amp} here: "
+                      f"resume with train.amp={saved} to go on as it trained, or train.amp={amp} to switch")
 
 
 def resume_for_rank(ckpt: dict, ctx: distributed.Context) -> dict:

@@ -25,9 +25,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see visppo {self.prog.split()[-1]} --help)\n")
 
 
+_OVERRIDE = re.compile(r"[^=/]*=")
+"""An override's start: a key without '/' (a path such as runs/lr=3e-4/config.yaml is a config)."""
+
+
 def _split(args: list[str]) -> tuple[str | None, list[str]]:
-    """``[CONFIG] [key=value ...]``: the first argument is a config file unless it has an '='."""
-    if args and "=" not in args[0]:
+    """``[CONFIG] [key=value ...]``: the first argument is a config file unless it is an override."""
+    if args and (not _OVERRIDE.match(args[0]) or Path(args[0]).is_file()):
         first = args[0]
         if not first.endswith((".yaml", ".yml")) and not Path(first).is_file():
             raise ConfigError(f"'{first}' is neither a YAML config file nor a key=value override "

@@ -16,7 +16,7 @@ import functools
 import inspect
 import math
 import re
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Union
 
@@ -33,8 +33,10 @@ TORCHVISION_ENCODERS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small"
 ENCODERS = ("nature", "impala", "drq", "spatial_softmax", *TORCHVISION_ENCODERS)
 
 RESUMABLE = ("ppo.total_steps", "run.progress", "run.tensorboard", "run.log_every",
-             "run.checkpoint_every", "run.keep_checkpoints", "train.threads", "train.max_bad_steps")
-"""Keys a resumed run may change; everything else would make it a different run."""
+             "run.checkpoint_every", "run.keep_checkpoints", "train.threads", "train.max_bad_steps",
+             "train.device", "rollout.device", "train.amp")
+"""Keys a resumed run may change; everything else would make it a different run. The devices and
+the precision are the machine's: a run moved to another machine may need them changed."""
 
 
 @dataclass
@@ -247,6 +249,9 @@ def _explain(exc: OmegaConfBaseException, source: str) -> ConfigError:
         known = _known_keys(section)
         hint = f" (known keys{' in ' + section if section else ''}: {', '.join(known)})" if known else ""
         return ConfigError(f"unknown config key '{key}' in {source}{hint}")
+    if "nterpolation" in type(exc).__name__:
+        return ConfigError(f"'{key}': {msg}: a '${{...}}' in a value is an OmegaConf reference to "
+                           "another key, which visppo configs do not keep: write the value out")
     if key:
         return ConfigError(f"bad value for '{key}' in {source}: {msg}")
     return ConfigError(f"{source}: {msg}")
@@ -558,9 +563,28 @@ def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source
             problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
             raise ConfigError(f"cannot parse override '{item}': the value is not valid YAML ({problem}); "
                               "quote it for a string, e.g. 'key=\"...\"'") from None
-    obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    try:
+        obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:  # a ${...} that names no key, or one that cannot resolve
+        raise _explain(exc, source) from None
+    _refuse_interpolation(asdict(obj))  # not to_dict: that resolves again
     validate(obj)
     return obj
+
+
+def _refuse_interpolation(data: Any, key: str = "") -> None:
+    """No value may keep a ``${``: OmegaConf reads it as a reference to another key each time the
+    config is resolved, so an escaped one would pass here and fail when the run saves its first
+    checkpoint (and its config.yaml would not load again)."""
+    if isinstance(data, dict):
+        for name, value in data.items():
+            _refuse_interpolation(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            _refuse_interpolation(value, key)
+    elif isinstance(data, str) and "${" in data:
+        raise ConfigError(f"{key}={data!r}: a '${{' in a value is an OmegaConf reference to another key, "
+                          "which visppo configs do not keep: write the value out")
 
 
 def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = (), to_act: bool = False) -> Config:

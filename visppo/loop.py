@@ -45,7 +45,14 @@ from visppo.envs import check_env_id, close_vector_env, make_env, make_vector_en
 from visppo.errors import ConfigError, EnvError, RunError, Stopped
 from visppo.evaluate import run_episodes
 from visppo.health import activation_health, probe_index
-from visppo.metrics import Logger, PhaseTimer, check_tracking, iteration_profiler, open_tracker
+from visppo.metrics import (
+    Logger,
+    PhaseTimer,
+    Span,
+    check_tracking,
+    iteration_profiler,
+    open_tracker,
+)
 from visppo.policy import ActorCritic
 from visppo.ppo import MemorySizes, UpdateResult, UpdateSetup, compute_values, update
 from visppo.precision import RunPrecision, for_run
@@ -79,9 +86,9 @@ def train(cfg: Config, resume: dict | None = None) -> Path:
                 run.policy.train()
                 result = update(run.policy, run.optimizer, run.buffer, run.setup)
             run.global_step += run.global_rollout
-            seconds, wall = timer.lap()  # this iteration's phases and the wall time they lie in
-            with timer("log"):  # eval, logging, checkpoint: in the next row's time/log
-                log(run, iteration, episodes, result, value_fit, seconds, wall)
+            lap = Span(*timer.lap(), steps=run.global_rollout)  # this iteration's phases, wall time, steps
+            with timer("log"):  # eval, logging, checkpoint: in the next lap's time/log
+                log(run, iteration, episodes, result, value_fit, lap)
                 check_divergence(run, result)
                 maybe_checkpoint(run, iteration)
             stop_if_signalled(run, iteration)  # SIGINT / SIGTERM: final checkpoint, then Stopped
@@ -118,6 +125,10 @@ class Run:
     """The last 100 finished episodes (all ranks'), for the logged means."""
     ended_since_row: int = 0
     """Episodes finished (all ranks) since the last metrics row: its ``episodes`` column."""
+    since_row: Span = field(default_factory=Span)
+    """The laps since the last metrics row, which its steps/s and ``time/*`` cover. Not checkpointed:
+    after a resume the next row covers the iterations since the resume (its steps/s is still the
+    steps of its span over the span's wall time)."""
     bad_in_a_row: int = 0
     """Optimizer steps skipped in a row for a non-finite loss or gradient."""
     flat_critic: int = 0
@@ -161,6 +172,8 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
         rollout_device = (device if cfg.rollout.device == "auto"
                           else ctx.place(resolve_device(cfg.rollout.device, "rollout.device"), "rollout.device"))
         precision = for_run(cfg.train, device, rollout_device)
+        if resume is not None:
+            ckpt_io.check_same_precision(cfg, resume, precision.update.name)
         check_memory(cfg, device if cfg.memory.buffer_device == "device" else torch.device("cpu"), device)
         check_user_env(cfg)
         if cfg.train.threads:
@@ -180,6 +193,8 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
                 stack.enter_context(ckpt_io.run_dir_lock(run_dir))
                 check_run_dir(run_dir)  # again, under the lock: another process may have started here
                 stack.enter_context(forget_if_unstarted(run_dir, created))
+            elif ckpt_io.SOURCE in resume:  # read from a file (not a dict a caller built): checked last,
+                ckpt_io.claim_resume(run_dir, resume)  # so that a refused resume changes nothing
             open_logs(run, resume is not None)
             stack.callback(run.logger.close)
             run.profiler = iteration_profiler(run_dir) if cfg.train.profile else None
@@ -443,16 +458,18 @@ def scale_rewards(buffer: RolloutBuffer, scale: ReturnScale, ctx: distributed.Co
 
 
 def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult, value_fit: float,
-        seconds: dict[str, float], wall: float) -> None:
+        lap: Span) -> None:
     """One metrics row (and a periodic evaluation when due), written by rank 0; ``value_fit`` is the
-    critic's explained variance on rank 0's rollout; ``seconds`` are the phase times of the ``wall``
-    seconds the row's steps/s is measured over."""
+    critic's explained variance on rank 0's rollout; ``lap`` is this iteration's timing. A row's
+    steps/s and phase times cover every lap since the previous row (``run.log_every`` > 1: several);
+    the progress line shows this iteration's."""
     if run.ctx.enabled:  # every rank's episodes, for the logs
         episodes = [e for part in distributed.all_gather(episodes) for e in part]
     run.recent = (run.recent + episodes)[-100:]
     run.ended_since_row += len(episodes)
+    run.since_row = run.since_row.plus(lap)
     scalars = iteration_scalars(iteration, run.ended_since_row, run.recent, run.optimizer, result, value_fit,
-                                seconds, run.global_rollout / wall)
+                                run.since_row)
     last = iteration == run.num_iterations
     evaluated = bool(run.cfg.run.eval_every) and (iteration % run.cfg.run.eval_every == 0 or last)
     if run.cfg.run.eval_every:  # the columns exist from the first row: the CSV header is fixed then
@@ -464,8 +481,8 @@ def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult, va
         if iteration % run.cfg.run.log_every == 0 or last or evaluated:  # an evaluation always gets its row
             scalars.update(health_scalars(run))
             run.logger.log(run.global_step, scalars)
-            run.ended_since_row = 0
-        run.logger.progress(run.global_rollout, progress_line(scalars))
+            run.ended_since_row, run.since_row = 0, Span()
+        run.logger.progress(run.global_rollout, progress_line(scalars, lap))
     if run.profiler is not None:
         run.profiler.step()  # one profiler step per iteration
 
@@ -521,7 +538,8 @@ def save_checkpoint(run: Run, iteration: int) -> None:
     if run.ctx.is_main:
         sizes = {"micro": run.setup.sizes.micro, "chunk": run.setup.sizes.chunk}
         ckpt_io.save_checkpoint(run.dir, run.cfg, run.policy, run.optimizer, run.setup.precision.scaler,
-                                iteration, run.global_step, sizes, ranks, run.recent, run.ended_since_row)
+                                iteration, run.global_step, sizes, ranks, run.recent, run.ended_since_row,
+                                run.precision.update.name)
 
 
 def stop_if_signalled(run: Run, iteration: int) -> None:
@@ -555,18 +573,19 @@ def periodic_eval(policy: ActorCritic, cfg: Config, run_dir: Path, iteration: in
 
 def iteration_scalars(iteration: int, ended: int, recent: list[dict],
                       optimizer: torch.optim.Optimizer, result: UpdateResult, value_fit: float,
-                      seconds: dict[str, float], steps_per_second: float) -> dict[str, float]:
+                      span: Span) -> dict[str, float]:
     """One row of metrics.csv: episode stats over the last 100 episodes, the ``ended`` episodes since
-    the previous row, losses, phase times (``time/log`` is the previous iteration's eval, logging
-    and checkpoint: 0 in the first row)."""
-    seconds = {**seconds, "log": seconds.get("log", 0.0)}
+    the previous row, losses, the steps/s and phase times of ``span``, the laps since the previous row
+    (``time/log`` holds the eval, logging and checkpoint of the iteration before each: 0 in the
+    first row)."""
+    seconds = {**span.seconds, "log": span.seconds.get("log", 0.0)}
     return {
         "iteration": iteration,
         "episode_return": _mean(e["return"] for e in recent),
         "episode_success": _mean(e["success"] for e in recent),
         "episodes": ended,
         "lr": optimizer.param_groups[0]["lr"],
-        "steps_per_second": steps_per_second,
+        "steps_per_second": span.steps_per_second,
         "optimizer_steps": result.optimizer_steps,
         "skipped_steps": result.skipped_steps,
         **{f"loss/{k}": v for k, v in result.losses().items()},
@@ -575,9 +594,11 @@ def iteration_scalars(iteration: int, ended: int, recent: list[dict],
     }
 
 
-def progress_line(s: dict[str, float]) -> str:
-    phases = " ".join(f"{k[5:]} {v:.1f}s" for k, v in s.items() if k.startswith("time/"))
-    return (f"{s['steps_per_second']:.0f} sps, return {s['episode_return']:.2f}, "
+def progress_line(s: dict[str, float], lap: Span) -> str:
+    """The progress bar's postfix: this iteration's speed and phase times (``lap``; a row's may cover
+    several), the logged returns."""
+    phases = " ".join(f"{k} {v:.1f}s" for k, v in lap.seconds.items())
+    return (f"{lap.steps_per_second:.0f} sps, return {s['episode_return']:.2f}, "
             f"success {s['episode_success']:.2f}, {phases}")
 
 

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from visppo import extras
-from visppo.atomic import atomic_write_text
+from visppo.atomic import atomic_write, atomic_write_text
 from visppo.config import Config, to_dict
 from visppo.errors import ConfigError, RunError
 
@@ -54,6 +56,31 @@ class PhaseTimer:
         out, wall = dict(self.seconds), now - self.since
         self.seconds, self.since = defaultdict(float), now
         return out, wall
+
+
+@dataclass(frozen=True)
+class Span:
+    """Phase seconds, and the wall seconds and env steps they lie in, of one or more laps.
+
+    A metrics row stands for every iteration since the previous row (``run.log_every`` > 1), so its
+    steps/s and ``time/*`` must sum the laps of all of them, not show its own iteration's alone:
+    ``steps / wall`` then measures the same span as the row's phase times and its steps.
+    """
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    wall: float = 0.0
+    steps: int = 0
+
+    def plus(self, later: Span) -> Span:
+        """This span followed by ``later``: phase by phase, wall and steps, summed."""
+        seconds = dict(self.seconds)
+        for phase, s in later.seconds.items():
+            seconds[phase] = seconds.get(phase, 0.0) + s
+        return Span(seconds, self.wall + later.wall, self.steps + later.steps)
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.steps / self.wall
 
 
 def iteration_profiler(run_dir: Path) -> torch.profiler.profile:
@@ -224,19 +251,16 @@ def _drop_rows_after(path: Path, step: int) -> list[str] | None:
     """Keep the CSV rows up to ``step`` (a resumed run redoes the rest); returns the header, or None
     when there is none to keep (the file is then removed, and the next row writes a new header).
 
-    A last line without its newline was cut short by a kill (the header too): it is dropped, so that
-    the next row never glues onto it."""
+    A last line that a kill cut short (:func:`complete_text`; the header too) is dropped, so that the
+    next row never glues onto it. The rewrite is atomic: a crash during it keeps the old file."""
     move_away = "move it away (the resumed run then starts a new one) and resume again"
     if path.is_dir():
         raise ConfigError(f"{path} is a directory, not the run's metrics file: {move_away}")
     try:
         cut = not path.read_bytes().endswith(b"\n")
-        with path.open(newline="", encoding="utf-8") as f:
-            rows = list(csv.reader(f))
+        rows = list(csv.reader(io.StringIO(complete_text(path))))
     except (UnicodeDecodeError, csv.Error) as exc:
         raise ConfigError(f"{path} is not a CSV file visppo wrote ({type(exc).__name__}): {move_away}") from None
-    if cut:
-        rows = rows[:-1]
     if not rows:
         path.unlink()
         return None
@@ -246,8 +270,5 @@ def _drop_rows_after(path: Path, step: int) -> list[str] | None:
                           f"{move_away}")
     kept = [r for r in body if len(r) == len(header) and _step(r[0]) <= step]  # and not cut short by a kill
     if cut or len(kept) != len(body):
-        tmp = path.with_suffix(".csv.tmp")
-        with tmp.open("w", newline="") as f:
-            csv.writer(f).writerows([header, *kept])
-        tmp.replace(path)
+        atomic_write(path, lambda f: csv.writer(f).writerows([header, *kept]), binary=False)
     return header

@@ -136,8 +136,14 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
     for ax, (column, title) in zip(axes, PANELS):
         _draw_panel(ax, column, title, data, _labels(run_dirs), smooth)
     axes[0].legend(loc="best", fontsize="small")
-    atomic_write(out, lambda f: fig.savefig(f, format=out.suffix[1:].lower(), dpi=120), binary=True)
+    save_figure(fig, out, dpi=120)
     return out
+
+
+def save_figure(fig, out: Path, dpi: float | str = "figure") -> None:
+    """Write ``fig`` as an image whole or not at all (:func:`visppo.atomic.atomic_write`), in the
+    format of ``out``'s suffix (:func:`check_format`)."""
+    atomic_write(Path(out), lambda f: fig.savefig(f, format=Path(out).suffix[1:].lower(), dpi=dpi), binary=True)
 
 
 def _draw_panel(ax, column: str, title: str, data: list[dict], labels: list[str], smooth: int) -> None:

@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from visppo.atomic import atomic_write, atomic_write_text
+from visppo.atomic import atomic_write_text
 from visppo.buffer import RolloutBuffer
 from visppo.builders import build_policy
 from visppo.config import Config, parse_bytes
@@ -514,6 +514,23 @@ def probe(cfg: Config, budget: str | int, device: str = "cuda", mode: str | None
     if mode == "real" and target.type == "cuda":
         emulate_smaller_card(budget_bytes, target)
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    # the probe builds a policy of its own and draws inputs: a run that asks it for its sizes after
+    # seeding must go on from the RNG states it had, or `auto` would change what the run learns
+    with torch.random.fork_rng(devices=_gpus_to_keep(target, present)):
+        return _probe(cfg, budget_bytes, target, mode, margin, world_size)
+
+
+def _gpus_to_keep(target: torch.device, present: bool) -> list[int]:
+    """Every initialised GPU, and a CUDA target (the probe initialises it: its first call applies
+    a seed that ``torch.manual_seed`` queued, and the probe's draws would then move it on)."""
+    kept = set(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else set()
+    if target.type == "cuda" and present:
+        kept.add(target.index if target.index is not None else torch.cuda.current_device())
+    return sorted(kept)
+
+
+def _probe(cfg: Config, budget_bytes: int, target: torch.device, mode: str, margin: float | None,
+           world_size: int) -> ProbeResult:
     prober = Prober(cfg, target, mode, world_size)
     margin = default_margin(target, prober.dtype) if margin is None else margin
     limit = int(budget_bytes * (1 - margin))
@@ -587,6 +604,8 @@ def plot(result: ProbeResult, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from visppo.plot import save_figure
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for kind in ("micro_batch", "infer_chunk"):
         pts = sorted((c.size, c.peak_bytes / 2**30) for c in result.candidates if c.kind == kind)
@@ -600,8 +619,7 @@ def plot(result: ProbeResult, path: Path) -> None:
     ax.set_title(f"visppo probe: {result.device}, {result.mode} mode, amp {result.amp}")
     ax.legend()
     fig.tight_layout()
-    path = Path(path)
     try:
-        atomic_write(path, lambda f: fig.savefig(f, format=path.suffix[1:].lower()), binary=True)
+        save_figure(fig, path)
     finally:
         plt.close(fig)

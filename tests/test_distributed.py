@@ -355,6 +355,20 @@ def test_one_process_makes_no_process_group_and_no_collectives(tmp_path, monkeyp
     assert not torch.distributed.is_initialized()
 
 
+def test_alone_cuda_is_the_current_gpu_by_index_so_cuda_and_cuda0_are_one_device(monkeypatch):
+    """train.device=auto (cuda) with rollout.device=cuda:0 is one GPU: no acting copy, no second pass."""
+    from visppo.config import TrainConfig
+    from visppo.precision import for_run
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    alone = distributed.Context(0, 1, 0, 1)
+    train_on, act_on = alone.place(torch.device("cuda")), alone.place(torch.device("cuda", 0))
+    assert train_on == act_on == torch.device("cuda", 0)
+    assert alone.place(torch.device("cuda", 1)) == torch.device("cuda", 1) and alone.place(CPU) == CPU
+    precision = for_run(TrainConfig(amp="bf16"), train_on, act_on)
+    assert precision.acting is precision.update and not precision.recompute_logp_old
+
+
 def test_each_local_process_takes_its_own_gpu_or_the_input_is_refused(tmp_path, monkeypatch, capsys):
     from visppo.cli import main
 

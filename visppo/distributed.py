@@ -71,9 +71,14 @@ class Context:
         return self.rank == 0
 
     def place(self, device: torch.device, key: str = "train.device") -> torch.device:
-        """This rank's device: ``cuda`` becomes ``cuda:LOCAL_RANK`` (one GPU per process)."""
-        if not self.enabled or device.type != "cuda":
+        """This rank's device: ``cuda`` becomes ``cuda:LOCAL_RANK`` (one GPU per process), or the current
+        GPU's index when alone. Always an index: ``torch.device("cuda") != torch.device("cuda:0")``, so
+        a run given ``cuda`` for one device and ``cuda:0`` for the other would take them for two GPUs
+        (an acting copy of the policy and a recomputed ``logp_old`` on the same GPU)."""
+        if device.type != "cuda":
             return device
+        if not self.enabled:
+            return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         if device.index is not None:
             if self.local_world > 1:
                 raise ConfigError(f"{key}={device} would put all {self.local_world} processes of this "

@@ -97,6 +97,19 @@ def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
+def test_a_run_moved_to_a_machine_with_fewer_gpus_restores_the_gpus_it_has(monkeypatch):
+    """A checkpoint holds one RNG state per GPU of the machine that saved it (two here): on a
+    one-GPU machine the first is restored, not an IndexError. (CUDA faked.)"""
+    state = {**rng_state(), "cuda": [torch.zeros(3, dtype=torch.uint8), torch.ones(3, dtype=torch.uint8)]}
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append((device, state)))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.extend(enumerate(states)))
+    set_rng_state(state)
+    assert [(device, s.tolist()) for device, s in restored] == [(0, [0, 0, 0])]
+
+
 def _save(run_dir, iteration, keep):
     cfg = load_config(None, ["env.id=visppo/DotReach-v0", f"run.keep_checkpoints={keep}"])
     policy = torch.nn.Linear(2, 1)

@@ -95,6 +95,7 @@ def test_a_config_in_a_folder_named_with_an_equals_sign_is_a_config(tmp_path, ca
     assert "num_envs: 5" in capsys.readouterr().out
     assert main(["config", "gamma=0.9"]) == 2  # not a file: an override, and a bad one
     assert "must name section.key" in capsys.readouterr().err
+    assert main(["config", "env.kwargs.note=" + "x" * 300]) == 0  # no valid path (too long): an override
 
 
 def test_positionals_may_follow_options_in_every_command():

@@ -389,6 +389,7 @@ def test_table_refuses_folders_that_are_not_run_folders(tmp_path, capsys):
     (["configs/dot_reach.yaml", "ppo.bogus=1"], "bogus"),
     (["configs/dot_reach.yaml", "train.seed=4"], "train.seed=4"),
     (["configs/dot_reach.yaml", "configs/../configs/dot_reach.yaml"], "share a name"),
+    (["configs/dmc.yaml", "configs/dmc_cartpole_swingup.yaml"], "train the same DMC task (dmc:cartpole-swingup"),
     (["configs/dot_reach.yaml", "--seeds", "x"], "--seeds"),
     (["configs/dot_reach.yaml", "--keep", "{out}"], "is --out itself"),
     ([], "the following arguments are required"),
@@ -432,7 +433,9 @@ def test_run_skips_finished_runs_resumes_stopped_ones_and_evaluates_finished_one
     todo = dict(lt.jobs([config], [1, 2, 3, 4], out, ["ppo.total_steps=64"], episodes=5))
     assert done not in todo  # finished and evaluated: nothing to do
     resume, evaluate = todo[stopped]
-    assert resume[3:] == ["train", "--resume", str(stopped)]
+    # with the command's keys a resume takes (a run moved to another machine goes on with its devices)
+    assert resume[3:] == ["train", "--resume", str(stopped), "train.threads=1", "run.progress=false",
+                          "ppo.total_steps=64"]
     assert evaluate[3:] == ["eval", str(stopped), "--episodes", "5", "--deterministic", "--seed", "0",
                             "--json", str(stopped / "final_eval.json")]
     assert [c[3] for c in todo[unevaluated]] == ["eval"]  # finished, no final_eval.json: evaluated only
@@ -559,8 +562,8 @@ def test_the_iqm_line_names_the_runs_it_leaves_out(tmp_path):
 
 
 def test_a_run_resumed_with_an_allowed_override_still_matches_but_another_budget_does_not(tmp_path, monkeypatch):
-    """A resume may change train.threads or run.* (checkpoint.RESUMABLE) and rewrites config.yaml:
-    that run is still this command's; one with another ppo.total_steps is not."""
+    """A resume may change train.threads, run.* or the devices (config.RESUMABLE) and rewrites
+    config.yaml: that run is still this command's; one with another ppo.total_steps or train.amp is not."""
     from visppo.config import load_config, to_yaml
 
     monkeypatch.chdir(ROOT)
@@ -568,9 +571,11 @@ def test_a_run_resumed_with_an_allowed_override_still_matches_but_another_budget
     run_dir = lt.run_dir_of(out, config, 1)
     run_dir.mkdir(parents=True)
     cfg = load_config(config, lt.run_overrides(1, run_dir, []))
-    cfg.train.threads, cfg.run.log_every = 2, 5
+    cfg.train.threads, cfg.run.log_every, cfg.train.device = 2, 5, "cpu"
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    lt.check_existing_runs([config], [1], out, [])
+    lt.check_existing_runs([config], [1], out, ["train.device=auto"])
+    with pytest.raises(lt.UsageError, match="was started with train.amp="):  # one table, one precision
+        lt.check_existing_runs([config], [1], out, ["train.amp=bf16"])
     cfg.ppo.total_steps *= 2
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     with pytest.raises(lt.UsageError, match="was started with ppo.total_steps="):

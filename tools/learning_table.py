@@ -128,20 +128,25 @@ def run_overrides(seed: int, run_dir: Path, overrides: list[str]) -> list[str]:
 
 def train_command(config: Path, seed: int, run_dir: Path, overrides: list[str]) -> list[str]:
     """The training command of one (config, seed): a new run, or the resumption of a stopped one."""
+    from visppo.config import RESUMABLE
+
     visppo = [sys.executable, "-m", "visppo", "train"]
-    if (run_dir / "checkpoints" / "latest.pt").is_file():
-        return [*visppo, "--resume", str(run_dir)]
-    return [*visppo, str(config), *run_overrides(seed, run_dir, overrides)]
+    given = run_overrides(seed, run_dir, overrides)
+    if (run_dir / "checkpoints" / "latest.pt").is_file():  # with the keys a resume takes (the devices)
+        return [*visppo, "--resume", str(run_dir), *(o for o in given if o.split("=", 1)[0].strip() in RESUMABLE)]
+    return [*visppo, str(config), *given]
 
 
 def check_existing_runs(configs: list[Path], seeds: list[int], out: Path, overrides: list[str]) -> None:
     """A run folder already under ``out`` must be the run this command would start: else ``run``
     would count it finished, or resume it, with its old settings, and the table would mix two. The
-    keys a resume may change (``train.threads``, ``run.*``) may differ; ``ppo.total_steps`` may not."""
+    keys a resume may change (``train.threads``, ``run.*``, the devices) may differ, and the resume
+    is given this command's; ``ppo.total_steps`` and ``train.amp`` may not (one table, one budget and
+    one precision)."""
     from visppo.config import RESUMABLE, differences, load_config
     from visppo.errors import UserError
 
-    free = {"run.dir", *RESUMABLE} - {"ppo.total_steps"}
+    free = {"run.dir", *RESUMABLE} - {"ppo.total_steps", "train.amp"}
 
     for seed in seeds:
         for config in configs:
@@ -694,11 +699,17 @@ def cmd_run(ns: argparse.Namespace, rest: list[str]) -> int:
     for item in overrides:
         if item.split("=", 1)[0].strip() in ("train.seed", "run.dir"):
             raise UsageError(f"'{item}': run sets train.seed and run.dir itself (--seeds, --out)")
+    tasks = {}
     for config in configs:
         try:
-            load_config(config, overrides)
+            cfg = load_config(config, overrides)
         except UserError as exc:
             raise UsageError(str(exc)) from None
+        look = cfg.env.kwargs.get("look") or "published"
+        if cfg.env.id.startswith("dmc:") and tasks.setdefault((cfg.env.id, look), config) != config:
+            # before hours of training, not when the table is made (check_one_config_per_task)
+            raise UsageError(f"{tasks[(cfg.env.id, look)]} and {config} train the same DMC task ({cfg.env.id}, "
+                             f"{look} look), which the IQM would count twice: run them into two --out folders")
     if ns.keep is not None and ns.keep.resolve() == ns.out.resolve():
         raise UsageError(f"--keep {ns.keep} is --out itself: give a folder of its own (e.g. under docs/)")
     seeds = list(dict.fromkeys(ns.seeds))

@@ -201,7 +201,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per GPU of the machine that saved it: a run moved to one with fewer GPUs keeps
+        # those it has (more GPUs: the others keep their seeds)
+        for index, gpu_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(gpu_state, index)
 
 
 # --------------------------------------------------------------------------- a run's checkpoints

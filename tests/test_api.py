@@ -67,6 +67,39 @@ class StateOnly(gym.Env):
         return np.full((30, 40, 3), 7, np.uint8)
 
 
+class Disconnects(DotReachEnv):
+    """A robot whose link drops after 100 steps (after the first iteration and its checkpoint)."""
+
+    steps = 0
+
+    def step(self, action):
+        Disconnects.steps += 1
+        if Disconnects.steps > 100:
+            raise RuntimeError("robot disconnected")
+        return super().step(action)
+
+
+def test_a_code_env_run_that_fails_loads_anywhere_and_resumes_with_its_env(tmp_path, monkeypatch):
+    """The run's checkpoints stay usable: policy.json is written though the run failed, the error
+    says to resume with the Python call (the command line cannot build the env), and that call goes on."""
+    kwargs = tiny_kwargs(tmp_path, env__max_episode_steps=50, env__vector="sync", run__checkpoint_every=1,
+                         ppo__num_epochs=1)
+    del kwargs["env__id"]
+    Disconnects.steps = 0
+    with pytest.raises(visppo.errors.EnvError, match="robot disconnected") as failed:
+        visppo.train(None, env=Disconnects, **kwargs)
+    run_dir = tmp_path / "run"
+    assert f"visppo.train(resume='{run_dir}', env=<the env>)" in str(failed.value)
+    assert (run_dir / "policy.json").is_file()
+    with pytest.raises(ConfigError, match="built in code"):
+        visppo.train(resume=run_dir)  # the env is needed again
+    Disconnects.steps = -10**6  # reconnected
+    assert visppo.train(resume=run_dir, env=Disconnects, ppo__total_steps=192) == run_dir
+    assert visppo.checkpoint.load(run_dir / "checkpoints" / "latest.pt")["global_step"] == 192
+    monkeypatch.setattr(envs, "_CODE_ENVS", {})  # as in another process
+    assert visppo.load_policy(run_dir) is not None
+
+
 def test_a_code_env_without_images_is_rendered_or_refused():
     cfg = make_config(None, {"env__image_size": 24, "env__state": True, "env__max_episode_steps": 5},
                       env=functools.partial(StateOnly, render_mode="rgb_array"))
@@ -126,8 +159,13 @@ def test_config_from_a_path_a_dict_or_the_defaults_with_keyword_overrides():
     cfg = make_config(REPO / "configs" / "dot_reach.yaml", {"ppo__total_steps": 4096, "env__kwargs__speed": 0.2})
     assert (cfg.env.id, cfg.ppo.total_steps, cfg.env.kwargs, cfg.model.encoder) == \
         ("visppo/DotReach-v0", 4096, {"speed": 0.2}, "nature")
-    cfg = make_config({"ppo": {"num_envs": 2, "minibatch_size": 32}, "run": {"dir": "123"}}, {"ppo__num_steps": 16})
-    assert (cfg.ppo.num_envs, cfg.ppo.num_steps, cfg.run.dir) == (2, 16, "123")  # values stay Python values
+    cfg = make_config({"ppo": {"num_envs": 2, "minibatch_size": 32}}, {"ppo__num_steps": 16, "env__kwargs__name": "123"})
+    assert (cfg.ppo.num_envs, cfg.ppo.num_steps, cfg.env.kwargs) == (2, 16, {"name": "123"})  # not parsed: a str
+    # a path, a numpy number: the plain data config.yaml and the checkpoint keep; anything else is refused
+    cfg = make_config(None, {"env__kwargs__xml": REPO / "x.xml", "env__kwargs__gain": np.float32(0.5)})
+    assert cfg.env.kwargs == {"xml": str(REPO / "x.xml"), "gain": 0.5} and type(cfg.env.kwargs["gain"]) is float
+    with pytest.raises(ConfigError, match=r"env\.kwargs\.robot=.*its type, object, is not plain data"):
+        make_config(None, {"env__kwargs__robot": object()})
     assert make_config(None, {}).env.id == "visppo/Reach-v0"
     assert make_config(cfg, {"ppo__num_envs": 4}).ppo.num_envs == 4
     assert nested_overrides({"a__b__c": 1, "a__d": 2}) == {"a": {"b": {"c": 1}, "d": 2}}

@@ -20,6 +20,7 @@ step in this process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -29,41 +30,87 @@ import gymnasium as gym
 
 from visppo.config import Config, build_config, read_config_file, to_dict
 from visppo.deploy import write_spec
-from visppo.envs import register_code_env
-from visppo.errors import ConfigError, Stopped
+from visppo.envs import CODE_PREFIX, register_code_env
+from visppo.errors import ConfigError
 
 
 def train(config: str | os.PathLike | Mapping | Config | None = None, *,
-          env: Callable[..., gym.Env] | None = None, **overrides: Any) -> Path:
+          env: Callable[..., gym.Env] | None = None, resume: str | os.PathLike | None = None,
+          **overrides: Any) -> Path:
     """Train a policy; returns its run directory.
 
     ``config``: a YAML file's path, a dict in the YAML's layout (``{"ppo": {"total_steps": 4096}}``),
     a :class:`visppo.config.Config`, or None for the defaults. ``overrides``: ``section__key=value``.
     ``env``: a callable returning a gymnasium env, used in place of ``gymnasium.make``.
+    ``resume``: a run directory (or one of its ``checkpoints/iter_N.pt``) to go on from, as
+    ``visppo train --resume`` does, with only the overrides a resume takes; a run on an env built
+    in code needs that env again (``env=``), since no other process can build it.
     Bad input raises :class:`visppo.config.ConfigError` before anything is written.
     """
-    cfg = make_config(config, overrides, env)
     from visppo.loop import default_run_dir
     from visppo.loop import train as run_loop
 
-    if env is not None and not cfg.run.dir:
-        cfg.run.dir = str(default_run_dir(cfg))  # known now: policy.json goes there even if stopped
+    ckpt = None
+    if resume is not None:
+        cfg, ckpt = resume_config(resume, overrides, env)
+    else:
+        cfg = make_config(config, overrides, env)
+        if env is not None and not cfg.run.dir:
+            cfg.run.dir = str(default_run_dir(cfg))  # known now: policy.json goes there even if it fails
     try:
-        run_dir = run_loop(cfg)
-    except Stopped:
+        run_dir = run_loop(cfg, resume=ckpt)
+    except BaseException:  # stopped or failed: a run with checkpoints must still load without the env
         if env is not None and (Path(cfg.run.dir) / "checkpoints").is_dir():
-            write_spec(Path(cfg.run.dir), cfg)
+            with contextlib.suppress(OSError):  # a full disk: the error on its way out says so
+                write_spec(Path(cfg.run.dir), cfg)
         raise
     if env is not None:
         write_spec(run_dir, cfg)
     return run_dir
 
 
+def resume_config(run: str | os.PathLike, overrides: Mapping[str, Any],
+                  env: Callable[..., gym.Env] | None) -> tuple[Config, dict]:
+    """The config and checkpoint to resume ``run`` with (:func:`visppo.checkpoint.load_for_resume`);
+    a run on an env built in code gets ``env`` under the id it trained with."""
+    from visppo.checkpoint import load_for_resume, resume_paths
+
+    if isinstance(run, (str, os.PathLike)) and not _is_file(Path(run)) and not Path(run).is_dir():
+        raise ConfigError(f"resume={str(run)!r} is not a run directory or checkpoint")
+    items = [f"{'.'.join(name.split('__'))}={_dotlist_value(value)}" for name, value in overrides.items()]
+    run_dir, latest = resume_paths(run)
+    saved_id = read_config_file(run_dir / "config.yaml").get("env", {}).get("id", "")
+    if str(saved_id).startswith(CODE_PREFIX):
+        if env is None or not callable(env):
+            raise ConfigError(f"{run_dir} trained on an env built in code ({saved_id}): give it again, "
+                              f"visppo.train(resume={str(run)!r}, env=<the env>)")
+        register_code_env(env, env_id=str(saved_id))
+    elif env is not None:
+        raise ConfigError(f"{run_dir} trained on {saved_id}, not on an env built in code: resume it without env=")
+    return load_for_resume(run, items)
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # e.g. a name too long to be a path
+        return False
+
+
+def _dotlist_value(value: Any) -> str:
+    """A resume override's value as the command line writes it (numbers, booleans, strings)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
 def make_config(config: Any, overrides: Mapping[str, Any], env: Callable[..., gym.Env] | None = None) -> Config:
     """The validated config of ``visppo.train``'s arguments."""
     data, source = _config_data(config)
     given = nested_overrides(overrides)
-    data = merge(data, given)
+    data = plain(merge(data, given))
+    if given:  # an error names where to look: the file (or dict), or the keywords
+        source = f"{source} or the keyword overrides"
     if env is not None:
         if not callable(env):
             raise ConfigError(f"env={env!r} is not callable: give a callable that returns a gymnasium env (its "
@@ -72,6 +119,24 @@ def make_config(config: Any, overrides: Mapping[str, Any], env: Callable[..., gy
             raise ConfigError("give env= (an env built in code) or env__id= (a registered id), not both")
         data = merge(data, {"env": {"id": register_code_env(env)}})
     return build_config(data, source=source)
+
+
+def plain(value: Any, key: str = "") -> Any:
+    """``value`` as the plain data config.yaml and a checkpoint keep (str, int, float, bool, None,
+    lists, dicts): a path becomes its string, a numpy scalar its Python number; anything else is a
+    ConfigError naming the key (it would be written, then refused when the run is read back)."""
+    if isinstance(value, Mapping):
+        return {k: plain(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v, key) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():  # numpy and torch scalars
+        return value.item()
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise ConfigError(f"{key}={value!r}: its type, {type(value).__name__}, is not plain data that config.yaml and the "
+                      "checkpoint can keep: give a str, number, bool, list or dict")
 
 
 def _config_data(config: Any) -> tuple[dict, str]:
@@ -83,7 +148,7 @@ def _config_data(config: Any) -> tuple[dict, str]:
         return merge({}, config), "the config dict"
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
-        if not path.is_file():
+        if not _is_file(path):
             raise ConfigError(f"config file {path} not found: give the path of a YAML file (see configs/), a dict "
                               "or None")
         return read_config_file(path), str(path)

@@ -287,21 +287,43 @@ def resume_paths(source: str | Path) -> tuple[Path, Path]:
     return run_dir, latest
 
 
+CODE_ENV = "code/"
+"""The env.id prefix of an env built in code (``visppo.envs.CODE_PREFIX``): only a process that has
+the env can resume its run."""
+
+
+def resume_command(run_dir: Path) -> str:
+    """How to resume ``run_dir``: ``visppo train --resume``, or for a run on an env built in code the
+    Python call that hands the env back (no other process can build it)."""
+    try:
+        import yaml
+
+        env_id = str(yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8"))["env"]["id"])
+    except Exception:  # noqa: BLE001 - no readable config.yaml: the command line's way
+        env_id = ""
+    if env_id.startswith(CODE_ENV):
+        return f"visppo.train(resume={str(run_dir)!r}, env=<the env>)"
+    return f"visppo train --resume {run_dir}"
+
+
 SOURCE = "resumed_from"
 """In a checkpoint loaded to resume (not in the file): (path, mtime_ns, size) as it was read."""
 
 
-def claim_resume(run_dir: Path, ckpt: dict) -> None:
-    """Under the run-dir lock, before the logs drop what came after the checkpoint: the file read is
-    still as it was (a run that held the lock may have saved since: resuming its older state would
-    redo that work over it), and a resume from an earlier ``iter_N.pt`` makes that file the run's
-    ``latest.pt`` at once, so that a crash before the branch's first checkpoint leaves ``--resume
-    RUN`` on the branch, not on the one abandoned, whose metrics rows are already dropped."""
+def check_unchanged(ckpt: dict) -> None:
+    """Under the run-dir lock: the checkpoint file read to resume is still as it was read. The run
+    that held the lock may have saved since; resuming its older state would redo that work over it."""
     path, mtime_ns, size = ckpt[SOURCE]
-    path = Path(path)
-    now = path.stat()
+    now = Path(path).stat()
     if (now.st_mtime_ns, now.st_size) != (mtime_ns, size):
         raise UserError(f"{path} was written while this resume started (the run was still going): resume again")
+
+
+def make_head(run_dir: Path, ckpt: dict) -> None:
+    """A resume from an earlier ``iter_N.pt`` makes that file the run's ``latest.pt`` as the logs
+    drop what came after it, so that a crash before the branch's first checkpoint leaves
+    ``--resume RUN`` on the branch, not on the abandoned one whose metrics rows are gone."""
+    path = Path(ckpt[SOURCE][0])
     latest = run_dir / "checkpoints" / "latest.pt"
     if path.resolve() != latest.resolve():
         atomic_write_bytes(latest, path.read_bytes())
@@ -324,7 +346,7 @@ def load_for_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] 
     check_link(run_dir, latest)
     read = latest.stat()
     ckpt = load(latest)
-    ckpt[SOURCE] = (str(latest), read.st_mtime_ns, read.st_size)  # for claim_resume; never saved
+    ckpt[SOURCE] = (str(latest), read.st_mtime_ns, read.st_size)  # for check_unchanged and make_head; never saved
     missing = [key for key in RESUME_KEYS if key not in ckpt]
     if missing or not (isinstance(ckpt["config"], dict) and isinstance(ckpt["config"].get("run"), dict)):
         raise CheckpointError(f"checkpoint {latest} cannot be resumed: it has no "

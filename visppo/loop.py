@@ -193,9 +193,11 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
                 stack.enter_context(ckpt_io.run_dir_lock(run_dir))
                 check_run_dir(run_dir)  # again, under the lock: another process may have started here
                 stack.enter_context(forget_if_unstarted(run_dir, created))
-            elif ckpt_io.SOURCE in resume:  # read from a file (not a dict a caller built): checked last,
-                ckpt_io.claim_resume(run_dir, resume)  # so that a refused resume changes nothing
-            open_logs(run, resume is not None)
+            elif ckpt_io.SOURCE in resume:  # read from a file (not a dict a caller built)
+                ckpt_io.check_unchanged(resume)
+            open_logs(run, resume is not None)  # a bad metrics.csv is refused here, before it changes
+            if resume is not None and ckpt_io.SOURCE in resume:
+                ckpt_io.make_head(run_dir, resume)
             stack.callback(run.logger.close)
             run.profiler = iteration_profiler(run_dir) if cfg.train.profile else None
         with run.profiler or _nothing():
@@ -220,7 +222,7 @@ def disk_errors(run_dir: Path) -> Iterator[None]:
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        then = (f"resume with visppo train --resume {run_dir} (its last checkpoint is complete)"
+        then = (f"resume with {ckpt_io.resume_command(run_dir)} (its last checkpoint is complete)"
                 if has_checkpoint(run_dir) else "start the run again (it had written no checkpoint)")
         raise RunError(f"no space left on the device writing {exc.filename or run_dir}: free some space, "
                        f"then {then}") from None
@@ -234,7 +236,7 @@ def env_faults(run_dir: Path) -> Iterator[None]:
         yield
     except EnvError as exc:
         if has_checkpoint(run_dir):
-            kept = (f"the run's last checkpoint is kept: once the env is fixed, visppo train --resume {run_dir} "
+            kept = (f"the run's last checkpoint is kept: once the env is fixed, {ckpt_io.resume_command(run_dir)} "
                     "goes on from it")
         elif (run_dir / "config.yaml").exists():
             kept = f"the run had written no checkpoint: delete {run_dir} and start it again"
@@ -282,7 +284,7 @@ class SignalRequest:
             raise Stopped(f"visppo: stopped by {name} before the first iteration; no checkpoint was due", signum)
         if self.signum:
             os.write(2, f"error: {name} again: aborted without a final checkpoint; resume from the last "
-                        f"one with: visppo train --resume {self.run_dir}\n".encode())
+                        f"one with: {ckpt_io.resume_command(self.run_dir)}\n".encode())
             os._exit(128 + signum)
         self.signum = signum
         os.write(2, f"visppo: {name}: writing a checkpoint at the end of this iteration (send it again to "
@@ -390,7 +392,7 @@ def check_run_dir(run_dir: Path) -> None:
     found = [name for name in RUN_FILES if (run_dir / name).exists()]
     if found:
         if "config.yaml" in found and has_checkpoint(run_dir):
-            resume = f"resume it with visppo train --resume {run_dir}"
+            resume = f"resume it with {ckpt_io.resume_command(run_dir)}"
         elif "config.yaml" in found:
             resume = "delete it (it stopped before its first checkpoint: there is nothing to resume)"
         else:
@@ -553,7 +555,7 @@ def stop_if_signalled(run: Run, iteration: int) -> None:
     if iteration % run.cfg.run.checkpoint_every:
         save_checkpoint(run, iteration)
     raise Stopped(f"visppo: stopped by {signal.Signals(signum).name} at step {run.global_step}, checkpoint "
-                  f"{run.dir / 'checkpoints' / 'latest.pt'}; resume with: visppo train --resume {run.dir}",
+                  f"{run.dir / 'checkpoints' / 'latest.pt'}; resume with: {ckpt_io.resume_command(run.dir)}",
                   signum)
 
 

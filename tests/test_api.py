@@ -162,8 +162,10 @@ def test_config_from_a_path_a_dict_or_the_defaults_with_keyword_overrides():
     cfg = make_config({"ppo": {"num_envs": 2, "minibatch_size": 32}}, {"ppo__num_steps": 16, "env__kwargs__name": "123"})
     assert (cfg.ppo.num_envs, cfg.ppo.num_steps, cfg.env.kwargs) == (2, 16, {"name": "123"})  # not parsed: a str
     # a path, a numpy number: the plain data config.yaml and the checkpoint keep; anything else is refused
-    cfg = make_config(None, {"env__kwargs__xml": REPO / "x.xml", "env__kwargs__gain": np.float32(0.5)})
-    assert cfg.env.kwargs == {"xml": str(REPO / "x.xml"), "gain": 0.5} and type(cfg.env.kwargs["gain"]) is float
+    cfg = make_config(None, {"env__kwargs__xml": REPO / "x.xml", "env__kwargs__gain": np.float32(0.5),
+                             "env__kwargs__goal": np.array([1, 2])})
+    assert cfg.env.kwargs == {"xml": str(REPO / "x.xml"), "gain": 0.5, "goal": [1, 2]}
+    assert type(cfg.env.kwargs["gain"]) is float and type(cfg.env.kwargs["goal"][0]) is int
     with pytest.raises(ConfigError, match=r"env\.kwargs\.robot=.*its type, object, is not plain data"):
         make_config(None, {"env__kwargs__robot": object()})
     assert make_config(None, {}).env.id == "visppo/Reach-v0"

@@ -123,16 +123,17 @@ def make_config(config: Any, overrides: Mapping[str, Any], env: Callable[..., gy
 
 def plain(value: Any, key: str = "") -> Any:
     """``value`` as the plain data config.yaml and a checkpoint keep (str, int, float, bool, None,
-    lists, dicts): a path becomes its string, a numpy scalar its Python number; anything else is a
-    ConfigError naming the key (it would be written, then refused when the run is read back)."""
+    lists, dicts): a path becomes its string, a numpy (or torch) number or array its Python number
+    or list; anything else is a ConfigError naming the key (it would be written, then refused when
+    the run is read back)."""
     if isinstance(value, Mapping):
         return {k: plain(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [plain(v, key) for v in value]
     if isinstance(value, os.PathLike):
         return os.fspath(value)
-    if hasattr(value, "item") and getattr(value, "shape", None) == ():  # numpy and torch scalars
-        return value.item()
+    if hasattr(value, "tolist") and hasattr(value, "shape"):  # numpy and torch numbers and arrays
+        return plain(value.tolist(), key)
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     raise ConfigError(f"{key}={value!r}: its type, {type(value).__name__}, is not plain data that config.yaml and the "

@@ -41,7 +41,7 @@ def test_both_learners_are_timed_and_the_ratio_is_their_quotient(tmp_path, capsy
     code, text, err = call(capsys, *TINY, "--json", out)
     assert code == 0, err
     fig = json.loads(out.read_text())
-    assert fig["complete"] and fig["device"] == "cpu" and fig["torch"] and fig["stable_baselines3"]
+    assert fig["complete"] and fig["device"] == "cpu" and fig["torch"] and fig["stable_baselines3"] and fig["date"]
     assert {k: fig["sizes"][k] for k in (
         "image_size", "frame_stack", "encoder", "num_envs", "steps_per_env", "minibatch", "epochs")} == {
         "image_size": 84, "frame_stack": 3, "encoder": "nature", "num_envs": 2, "steps_per_env": 16,
@@ -55,6 +55,24 @@ def test_both_learners_are_timed_and_the_ratio_is_their_quotient(tmp_path, capsy
     assert fig["placement"]["train.device"] == "cpu" and "recommended: train.device=cpu" in fig["placement"]["text"]
     for needle in ("visppo ", "SB3 ", "visppo / SB3:", "recommended: train.device=cpu"):
         assert needle in text, text
+
+
+def test_the_placement_is_saved_before_the_first_timed_run(tmp_path, capsys, monkeypatch):
+    """A device call cut short during the first repeat still has visppo bench's placement."""
+    pytest.importorskip("stable_baselines3", reason="the SB3 comparison needs stable-baselines3")
+    monkeypatch.setenv("MUJOCO_GL", "egl")
+    module = tool()
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt  # the call's timeout
+
+    monkeypatch.setattr(module, "visppo_run", cut)
+    out = tmp_path / "speed.json"
+    with pytest.raises(KeyboardInterrupt):
+        module.main([str(a) for a in (*TINY, "--json", out)])
+    fig = json.loads(out.read_text())
+    assert not fig["complete"] and fig["placement"]["train.device"] == "cpu" and fig["date"]
+    assert "recommended: train.device=cpu" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, needle", [

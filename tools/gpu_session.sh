@@ -20,9 +20,11 @@
 #               machine with a registry and no .whl/: pip install -e ".[test]" stable-baselines3);
 #               visppo itself; one rendered Reacher-v5 frame
 #   probe       tools/validate_probe.py --device cuda --cap --json $OUT/probe_validation_cuda.json
-#               (its default CUDA grid, then the 8 GiB headline check for fp32, bf16 and fp16, then
-#               every row again with the allocator capped at its estimate + 2%; it rewrites its JSON
-#               after every row, so a cut-short run keeps what it measured; PROBE_ARGS replaces --cap)
+#               (the 8 GiB headline check for fp32, bf16 and fp16 first, then its default CUDA grid,
+#               each row followed by its run with the allocator capped at its estimate + 2%; it
+#               rewrites its JSON after every row, so a cut-short run keeps the headline and whole
+#               pairs; a failing child is recorded as a failed row and the next runs; PROBE_ARGS
+#               replaces --cap)
 #   expandable  (only when STEPS names it) the fp32 grid again, uncapped and capped, under
 #               PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, into
 #               $OUT/probe_validation_cuda_expandable.json: whether that allocator's reserve follows
@@ -107,12 +109,12 @@ EOF
     fi
     render='import gymnasium as gym; e = gym.make("Reacher-v5", render_mode="rgb_array", width=84, height=84); e.reset(seed=0); print("rendered", e.render().shape); e.close()'
     nvidia_egl=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
-    if ! $PY -c "$render" && [ -f "$nvidia_egl" ]; then  # the device README's fallback: name NVIDIA's EGL vendor
+    if ! timeout -k 5 60 $PY -c "$render" && [ -f "$nvidia_egl" ]; then  # a hung EGL must not eat the call  # the device README's fallback: name NVIDIA's EGL vendor
         export __EGL_VENDOR_LIBRARY_FILENAMES=$nvidia_egl
         echo "retrying with __EGL_VENDOR_LIBRARY_FILENAMES=$nvidia_egl"
-        $PY -c "$render"
+        timeout -k 5 60 $PY -c "$render"
     fi
-    $PY -c "import torch, visppo, gymnasium, mujoco, stable_baselines3; print('visppo', visppo.__file__); \
+    timeout -k 5 60 $PY -c "import torch, visppo, gymnasium, mujoco, stable_baselines3; print('visppo', visppo.__file__); \
 print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else ''); \
 print('gymnasium', gymnasium.__version__, 'mujoco', mujoco.__version__, 'sb3', stable_baselines3.__version__)"
 }

@@ -40,6 +40,7 @@ cut short by a time limit still leaves what it measured.
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import importlib.metadata
 import importlib.util
@@ -189,6 +190,7 @@ def figures(ns, cfg, device: str, visppo_runs: list[dict], sb3_runs: list[dict],
 
     out: dict = {
         "tool": "tools/speed_vs_sb3.py", "complete": complete, "device": device,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device_name": torch.cuda.get_device_name(0) if device == "cuda" else cpu_name(),
         "cpu_count": os.cpu_count(), "torch": torch.__version__,
         "stable_baselines3": importlib.metadata.version("stable-baselines3"), "python": platform.python_version(),
@@ -252,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         if ns.json is not None:
             atomic_write_text(ns.json, json.dumps(fig, indent=2) + "\n")
 
-    place = placement(cfg)  # first, so that a run cut short still has it
+    place = placement(cfg)  # first, saved and printed at once, so that a run cut short still has it
+    save(figures(ns, cfg, device, [], [], place, complete=False))
+    print(place["text"], flush=True)
     visppo_runs: list[dict] = []
     sb3_runs: list[dict] = []
     for _ in range(ns.repeats):  # interleaved: drift on the machine hits both learners alike

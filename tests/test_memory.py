@@ -143,6 +143,8 @@ def test_is_oom_recognises_allocation_failures():
     assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert is_oom(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 7.8 GiB total)"))
     assert is_oom(RuntimeError("cuDNN error: out of memory"))
+    assert is_oom(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))  # training backs off, as for an OOM
+    assert is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
     assert is_oom(MemoryError())
     try:
         torch.empty(2**62, dtype=torch.uint8)  # fails at once: no address space that large

@@ -263,3 +263,120 @@ def test_the_json_is_rewritten_whole_after_every_row(monkeypatch, tmp_path):
     assert vp.main(["--device", "cpu", "--quick", "--json", str(path)]) == 0
     assert [n for _, n in renames] == [1, 2] and renames[0][0] == "{}"
     assert len(json.loads(path.read_text())["rows"]) == 2
+
+
+def _stub_children(monkeypatch, fail: set[str]) -> list[tuple[str, str]]:
+    """The child processes stubbed (``subprocess.run``; ``child`` itself runs): a measured row
+    (estimate 1000 B, 1% over) per ``--one``, a passing headline per ``--headline-one``; a value in
+    ``fail`` (an amp, or a row's kind+size, + "c" when capped) exits 1 with a cuDNN allocation
+    error on stderr. Returns the calls, in order."""
+    import subprocess
+
+    calls = []
+
+    def run(cmd, **kwargs):
+        flag, value = cmd[cmd.index("--device") + 2:][:2]
+        calls.append((flag, value))
+        key = value if flag == "--headline-one" else _key(value)
+        if key in fail:
+            return subprocess.CompletedProcess(cmd, 1, "", "Traceback (most recent call last):\n  ...\n"
+                                               "RuntimeError: cuDNN error: CUDNN_STATUS_ALLOC_FAILED\n")
+        if flag == "--headline-one":
+            out = {"amp": value, "passed": True, "budget_bytes": 2**33, "micro_batch_size": 8,
+                   "infer_chunk_size": 8, "estimated_bytes": 2**32, "device_used": 2**32,
+                   "max_memory_reserved": 2**32, "oom_warnings": [], "gradient_relative_difference": 0.0}
+        else:
+            out = {**json.loads(value), "config": "stub", "estimated_bytes": 1000, "measured_bytes": 990,
+                   "error": 0.01}
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(out) + "\n", "")
+
+    monkeypatch.setattr(vp.subprocess, "run", run)
+    return calls
+
+
+def _key(value: str) -> str:
+    row = json.loads(value)
+    return f"{row['kind']}{row['size']}{'c' if 'cap_bytes' in row else ''}"
+
+
+def test_a_failing_row_is_recorded_and_the_rows_after_it_still_run(monkeypatch, capsys, tmp_path):
+    """A cuDNN allocation error (a plain RuntimeError) in one child must not lose the rest of the
+    grid: the row keeps the stderr's last line as ``failed``, counts as failing, and the next runs."""
+    calls = _stub_children(monkeypatch, fail={"micro_batch16"})
+    path = tmp_path / "v.json"
+    assert vp.main(["--device", "cpu", "--quick", "--amp", "off", "--json", str(path)]) == 1
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == len(calls) == len(vp.plan(vp.QUICK_GRID, ["off"])) == 4
+    [failed] = [r for r in rows if r.get("failed")]
+    assert (failed["kind"], failed["size"]) == ("micro_batch", 16) and "CUDNN_STATUS_ALLOC_FAILED" in failed["failed"]
+    assert vp.within_limits(failed) and "failed" in vp.within_limits(failed)[0]
+    out = capsys.readouterr().out
+    assert "FAIL: failed:" in out and out.strip().splitlines()[-1].endswith(
+        "1 of 4 rows outside -2%..+5%, out of memory or failed")
+
+
+def test_headline_first_then_each_row_with_its_capped_run_and_failures_go_on(monkeypatch, capsys, tmp_path):
+    """Ordered for a run cut short by a time limit: the headline first, then each row followed by its
+    capped run (whole pairs). A failed headline precision or a failed capped row is recorded and
+    the run goes on; a row that failed uncapped has no estimate to cap at, so no capped run."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stub GPU")
+    calls = _stub_children(monkeypatch, fail={"bf16", "micro_batch64c", "infer_chunk256"})
+    monkeypatch.setattr(vp, "CUDA_GRID", [("nature", 84, (64,), (256, 512))])
+    path = tmp_path / "v.json"
+    assert vp.main(["--device", "cuda", "--amp", "off", "--cap", "--json", str(path)]) == 1
+    order = [v if f == "--headline-one" else _key(v) for f, v in calls]
+    assert order == ["off", "bf16", "fp16", "micro_batch64", "micro_batch64c", "infer_chunk256",
+                     "infer_chunk512", "infer_chunk512c"]
+    data = json.loads(path.read_text())
+    assert [h["passed"] for h in data["headline"]] == [True, False, True]
+    assert "CUDNN_STATUS_ALLOC_FAILED" in data["headline"][1]["failed"]
+    assert [bool(r.get("failed")) for r in data["rows"]] == [False, True, True, False, False]
+    assert data["rows"][1]["cap_bytes"] == 1020
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "capped and uncapped: 2 of 5 rows outside" in last and "1 of 3 headlines failed" in last
+
+
+@pytest.mark.parametrize("message, capped, counts", [
+    ("cuDNN error: CUDNN_STATUS_ALLOC_FAILED", True, True),
+    ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", True, True),
+    ("GET was unable to find an engine to execute this computation", True, True),
+    ("CUDA out of memory. Tried to allocate 2.00 MiB", True, True),
+    ("cuDNN error: CUDNN_STATUS_ALLOC_FAILED", False, False),  # uncapped: nothing to blame on a cap
+    ("mat1 and mat2 shapes cannot be multiplied", True, False),  # a bug, not memory
+])
+def test_under_a_cap_cudnn_and_cublas_allocation_failures_count_as_out_of_memory(monkeypatch, message, capped,
+                                                                                   counts):
+    """measure_cuda decides "fits" by catching out-of-memory; near a cap cuDNN and cuBLAS fail with
+    plain RuntimeErrors, which must count as out of memory there (and raise anywhere else).
+    (The workload and the CUDA figures stubbed: the catch is what is tested.)"""
+    def workload(*args, **kwargs):
+        yield "ready"
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(vp, "_workload", workload)
+    monkeypatch.setattr(vp, "_cuda_phases", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(vp, "device_use", lambda device: {"device_used": 10, "memory_reserved": 4,
+                                                          "max_memory_reserved": 6})
+    cap = 1000 if capped else None
+    if not counts:
+        with pytest.raises(RuntimeError, match=message[:20]):
+            vp.measure_cuda(None, "micro_batch", 8, cap)
+        return
+    m = vp.measure_cuda(None, "micro_batch", 8, cap)
+    assert m["oom"] == [message] and m["measured_bytes"] == 12 and vp.within_limits({**m, "error": 0.0})
+
+
+def test_the_json_says_when_on_what_and_how_it_was_made(monkeypatch, tmp_path):
+    monkeypatch.setattr(vp, "run_grid", lambda *args, **kwargs: iter([_measured(0.0)]))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    path = tmp_path / "v.json"
+    argv = ["--device", "cpu", "--quick", "--json", str(path)]
+    assert vp.main(argv) == 0
+    data = json.loads(path.read_text())
+    assert {"date", "device_name", "cuda", "alloc_conf", "argv", "torch", "device"} <= data.keys()
+    from datetime import datetime
+    assert datetime.fromisoformat(data["date"]).utcoffset().total_seconds() == 0
+    assert data["device_name"] and data["cuda"] == torch.version.cuda
+    assert data["alloc_conf"] == "expandable_segments:True" and data["argv"][1:] == argv

@@ -34,21 +34,27 @@ On CUDA the figures are the caching allocator's ``max_memory_allocated`` and
 ``max_memory_reserved`` and the device's whole use from ``torch.cuda.mem_get_info``
 (CUDA context included), against the probe's CUDA estimate (fake mode, the
 same as on a machine without a GPU). ``--device cuda`` also runs the headline
-check: under an 8 GiB cap (``set_per_process_memory_fraction``) the sizes the
+check (first, so that a run cut short by a time limit keeps it): under an 8 GiB cap
+(``set_per_process_memory_fraction``) the sizes the
 probe recommends for ResNet-18 @224 x 3 frames, minibatch 256 (fp32, bf16, and
 fp16 with a GradScaler) run a full update without running out of memory, and the
 micro-batched gradient equals the unsplit minibatch's.
 
-``--cap`` (CUDA) runs every row a second time on a card just the size the probe
-names: the allocator capped (``set_per_process_memory_fraction``) at the row's
+``--cap`` (CUDA) runs every row a second time, right after its uncapped run (a run cut
+short keeps whole pairs), on a card just the size the probe names: the allocator capped (``set_per_process_memory_fraction``) at the row's
 estimate plus :data:`CAP_SLACK`, less the CUDA context. With memory to spare the
 caching allocator keeps what it reserved; near a cap it frees cached blocks and
 retries, and cuDNN picks smaller workspaces, so the capped row is what an 8 GiB
 card sees. It passes when it runs without running out of memory (no back-off
-warning either) and its device use is within :data:`LIMITS` of the estimate.
+warning either; cuDNN's and cuBLAS's allocation failures, plain ``RuntimeError``s, count as
+out of memory there) and its device use is within :data:`LIMITS` of the estimate.
 
 Each row runs in a child process (``--one``) so that no allocator cache,
-autocast cache or profiler state carries from one row to the next.
+autocast cache or profiler state carries from one row to the next. A child that fails
+(a crash, an error that is not out of memory) is recorded as a failed row or headline, with
+its stderr's last lines, and the run goes on to the next; the summary counts it as failing.
+The JSON carries the date, the device's name, the CUDA version, ``PYTORCH_CUDA_ALLOC_CONF``
+and the command line, so a file read later says what made it.
 """
 
 from __future__ import annotations
@@ -56,8 +62,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -88,6 +96,11 @@ device's use at the peak and never more than 2% under it (issue 58)."""
 CAP_SLACK = 0.02
 """A capped row's allocator may hold the estimate plus this fraction (the most a row may be
 under): running out of memory there means the estimate is more than that under."""
+ALLOC_FAILURES = ("CUDNN_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ALLOC_FAILED", "GET was unable to find an engine")
+"""cuDNN's and cuBLAS's words for an allocation that failed: near a cap they raise a plain
+``RuntimeError`` with these, not ``torch.cuda.OutOfMemoryError``, for what is running out of memory."""
+FAILED_LINES = 3
+"""How many of a failed child's last stderr lines its row keeps (the exception and its cause)."""
 
 
 def overrides(encoder: str, image: int, amp: str, minibatch: int, rollout: int, device: str,
@@ -246,11 +259,13 @@ def capped_rows(results: list[dict], slack: float = CAP_SLACK) -> list[dict]:
 def limits_summary(results: list[dict]) -> str:
     """How many rows fail :func:`within_limits`, as the summary line says it."""
     outside = sum(1 for r in results if within_limits(r))
-    return f"{outside} of {len(results)} rows outside {100 * LIMITS[0]:+.0f}%..{100 * LIMITS[1]:+.0f}% or out of memory"
+    return f"{outside} of {len(results)} rows outside {100 * LIMITS[0]:+.0f}%..{100 * LIMITS[1]:+.0f}%, out of memory or failed"
 
 
 def within_limits(row: dict, limits: tuple[float, float] = LIMITS) -> list[str]:
     """What keeps a measured row from passing (empty: it passes)."""
+    if row.get("failed"):
+        return [f"failed: {row['failed']}"]
     problems = [f"ran out of memory under its cap: {m}" for m in row.get("oom", [])]
     if row.get("error") is not None and not limits[0] <= row["error"] <= limits[1]:
         problems.append(f"error {100 * row['error']:+.1f}% outside {100 * limits[0]:+.0f}%..{100 * limits[1]:+.0f}%")
@@ -295,8 +310,8 @@ def measure_cuda(cfg, kind: str, size: int, cap_bytes: int | None = None) -> dic
         try:
             next(work)
             failed = []
-        except torch.cuda.OutOfMemoryError as exc:
-            if cap_bytes is None:
+        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one
+            if cap_bytes is None or not is_cap_oom(exc):
                 raise
             failed = [str(exc).splitlines()[0]]
     m = device_use(device)
@@ -305,6 +320,14 @@ def measure_cuda(cfg, kind: str, size: int, cap_bytes: int | None = None) -> dic
         m["cap_bytes"] = cap_bytes
         m["oom"] = [str(w.message) for w in caught if "out of memory" in str(w.message)] + failed
     return m
+
+
+def is_cap_oom(exc: BaseException) -> bool:
+    """Whether an error under a cap is the cap's doing: out of memory as training counts it, or
+    cuDNN/cuBLAS failing to allocate (a plain ``RuntimeError``), which a card of that size meets too."""
+    from visppo.memory import is_oom
+
+    return is_oom(exc) or (isinstance(exc, RuntimeError) and any(m in str(exc) for m in ALLOC_FAILURES))
 
 
 # --------------------------------------------------------------------------- the headline (CUDA)
@@ -414,6 +437,14 @@ def run_row(row: dict, device: str) -> dict:
     return out
 
 
+class ChildFailed(RuntimeError):
+    """A child process exited non-zero (or printed no result); ``last`` is its stderr's last lines."""
+
+    def __init__(self, what: str, stderr: str):
+        self.last = " | ".join(line.strip() for line in stderr.strip().splitlines()[-FAILED_LINES:]) or "(no stderr)"
+        super().__init__(f"{what} failed:\n{stderr[-3000:]}")
+
+
 def child(device: str, flag: str, value: str, threads: int) -> dict:
     """This script with ``flag value`` in a fresh process (no allocator cache, autocast cache or
     profiler state carries over); its last stdout line, as JSON."""
@@ -421,19 +452,45 @@ def child(device: str, flag: str, value: str, threads: int) -> dict:
     if threads:
         cmd += ["--threads", str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
-    if proc.returncode != 0:
-        raise RuntimeError(f"{flag} {value} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise ChildFailed(f"{flag} {value}", proc.stderr or f"exit code {proc.returncode}, no output")
+    return json.loads(lines[-1])
 
 
-def run_grid(rows: list[dict], device: str, threads: int = 0):
-    """Each row in a fresh child process (this script with ``--one``)."""
+def child_or_failed(device: str, flag: str, value: str, threads: int, record: dict) -> dict:
+    """:func:`child`, or ``record`` with ``failed`` (the stderr's last lines) when it failed: one
+    row's crash (cuDNN near a cap, say) must not lose the rows after it."""
+    try:
+        return child(device, flag, value, threads)
+    except ChildFailed as exc:
+        return {**record, "failed": exc.last}
+
+
+def run_grid(rows: list[dict], device: str, threads: int = 0, cap: bool = False):
+    """Each row in a fresh child process (this script with ``--one``); with ``cap``, its capped
+    run right after it, so a run cut short keeps whole pairs (a failed row has no estimate to
+    cap at, and no capped run)."""
     for row in rows:
-        yield child(device, "--one", json.dumps(row), threads)
+        measured = child_or_failed(device, "--one", json.dumps(row), threads, row)
+        yield measured
+        if cap and not measured.get("failed"):
+            [capped] = capped_rows([measured])
+            yield child_or_failed(device, "--one", json.dumps(capped), threads, capped)
+
+
+def run_headlines(amps, threads: int = 0):
+    """The 8 GiB headline per precision, each in a fresh child; a failed one is recorded, not raised."""
+    for amp in amps:
+        yield child_or_failed("cuda", "--headline-one", amp, threads, {"amp": amp, "passed": False})
 
 
 def format_row(r: dict) -> str:
     mib = 2**20
+    if r.get("failed"):
+        capped = f" capped at {r['cap_bytes'] / mib:.1f}" if "cap_bytes" in r else ""
+        return (f"{r['encoder']:>18s} {r['image']:4d} {r['amp']:>4s} {r['kind']:>11s} {r['size']:5d}"
+                f"{capped}  FAIL: {'; '.join(within_limits(r))}")
     real = (f" {r['estimated_real_mode_bytes'] / mib:9.1f}" if "estimated_real_mode_bytes" in r else "")
     capped = f"  capped at {r['cap_bytes'] / mib:.1f}" if "cap_bytes" in r else ""
     verdict = "; ".join(within_limits(r))
@@ -444,6 +501,8 @@ def format_row(r: dict) -> str:
 
 def format_headline(h: dict) -> str:
     gib = 2**30
+    if h.get("failed"):
+        return f"headline {h['amp']}: FAIL: failed: {h['failed']}"
     return (f"headline {h['amp']}: ResNet-18 @224 x3, minibatch 256, {h['budget_bytes'] / gib:.0f} GiB: "
             f"micro {h['micro_batch_size']} chunk {h['infer_chunk_size']}, estimated "
             f"{h['estimated_bytes'] / gib:.2f} GiB, device use {h['device_used'] / gib:.2f} GiB "
@@ -480,13 +539,34 @@ def _parser() -> Parser:
     return parser
 
 
-def _save(path: Path | None, device: str, rows: list[dict], headlines: list[dict]) -> None:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo's; else what ``platform`` knows)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_info(device: str, argv: list[str] | None) -> dict:
+    """What made the JSON, so a file read later says it: when (UTC), on what, under which
+    allocator setting, with which command line."""
+    on_cuda = device == "cuda" and torch.cuda.is_available()
+    return {"device": device, "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "device_name": torch.cuda.get_device_name() if on_cuda else cpu_name(),
+            "cuda": torch.version.cuda, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+            "argv": list(sys.argv) if argv is None else [sys.argv[0], *argv]}
+
+
+def _save(path: Path | None, info: dict, rows: list[dict], headlines: list[dict]) -> None:
     """After every row, whole or not at all: a long grid cut short leaves what it measured."""
     from visppo.atomic import atomic_write_text
 
     if path:
-        atomic_write_text(path, json.dumps({"device": device, "torch": torch.__version__, "rows": rows,
-                                            "headline": headlines}, indent=1))
+        atomic_write_text(path, json.dumps({**info, "rows": rows, "headline": headlines}, indent=1))
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -529,30 +609,38 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_row(json.loads(args.one), args.device) if args.one else headline(args.headline_one)))
         return 0
     grid = QUICK_GRID if args.quick else CUDA_GRID if args.device == "cuda" else FULL_GRID
+    info = run_info(args.device, argv)
+    results, headlines = [], []
+    if args.device == "cuda" and not args.no_headline:  # first: a run cut short keeps it
+        for h in run_headlines(HEADLINE_AMPS, args.threads):
+            headlines.append(h)
+            print(format_headline(h), flush=True)
+            _save(args.json, info, results, headlines)
     print(f"{'encoder':>18s} {'img':>4s} {'amp':>4s} {'kind':>11s} {'size':>5s} {'est MiB':>9s}"
           f"{' real MiB' if args.device == 'cpu' else ''} {'meas MiB':>9s} {'error':>8s}", flush=True)
-    results, headlines = [], []
+    if args.cap:
+        print(f"each row, then capped: the allocator held to its estimate + {100 * CAP_SLACK:.0f}%", flush=True)
     rows = [{**row, "real_mode": not args.fake_only} for row in plan(grid, args.amp.split(","))]
-    for r in run_grid(rows, args.device, args.threads):
-        results.append(r)
+    for r in run_grid(rows, args.device, args.threads, cap=args.cap):
+        results.append(r)  # a capped row is the one with cap_bytes
         print(format_row(r), flush=True)
-        _save(args.json, args.device, results, headlines)
-    worst = max(results, key=lambda r: abs(r["error"]))
-    print(f"worst error {100 * worst['error']:+.2f}% ({worst['config']} {worst['kind']} {worst['size']}); "
-          f"most under {100 * min(r['error'] for r in results):+.2f}%; {limits_summary(results)}")
-    if args.device == "cuda" and not args.no_headline:
-        for amp in HEADLINE_AMPS:
-            headlines.append(child("cuda", "--headline-one", amp, args.threads))
-            print(format_headline(headlines[-1]), flush=True)
-            _save(args.json, args.device, results, headlines)
-    if args.cap:  # last: a run cut short by a time limit keeps the grid and the headline
-        print(f"capped: the allocator held to each row's estimate + {100 * CAP_SLACK:.0f}%", flush=True)
-        for r in run_grid(capped_rows(results), args.device, args.threads):
-            results.append(r)  # a capped row is the one with cap_bytes
-            print(format_row(r), flush=True)
-            _save(args.json, args.device, results, headlines)
-        print(f"capped and uncapped: {limits_summary(results)}")
+        _save(args.json, info, results, headlines)
+    print(summary(results, headlines, args.cap))
     return exit_code(results, headlines)
+
+
+def summary(results: list[dict], headlines: list[dict], capped: bool) -> str:
+    """The run's last line: the worst error of the rows that ran, then how many rows (and headlines) fail."""
+    ran = [r for r in results if not r.get("failed")]
+    parts = []
+    if ran:
+        worst = max(ran, key=lambda r: abs(r["error"]))
+        parts.append(f"worst error {100 * worst['error']:+.2f}% ({worst['config']} {worst['kind']} {worst['size']}"
+                     f"{' capped' if 'cap_bytes' in worst else ''}); most under {100 * min(r['error'] for r in ran):+.2f}%")
+    parts.append(f"{'capped and uncapped: ' if capped else ''}{limits_summary(results)}")
+    if headlines:
+        parts.append(f"{sum(1 for h in headlines if not h['passed'])} of {len(headlines)} headlines failed")
+    return "; ".join(parts)
 
 
 def exit_code(rows: list[dict], headlines: list[dict]) -> int:

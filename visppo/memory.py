@@ -211,7 +211,10 @@ def cuda_block_size(nbytes: int) -> int:
     return size
 
 
-_OOM_MESSAGES = ("out of memory", "can't allocate memory")
+_OOM_MESSAGES = ("out of memory", "can't allocate memory",
+                 "cudnn_status_alloc_failed", "cublas_status_alloc_failed")
+"""Lower-case words of an allocation failure in a RuntimeError: torch's, the CPU allocator's, and
+cuDNN's and cuBLAS's own statuses (near a full card they fail to allocate their workspace)."""
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -219,7 +222,7 @@ def is_oom(exc: BaseException) -> bool:
 
     torch raises ``torch.OutOfMemoryError`` on CUDA, but a plain ``RuntimeError``
     for the CPU allocator ("DefaultCPUAllocator: can't allocate memory") and
-    for some CUDA paths (cuDNN/cuBLAS "CUDA out of memory"); Python's own
+    for some CUDA paths (cuDNN/cuBLAS "CUDA out of memory", or their ``*_STATUS_ALLOC_FAILED``); Python's own
     ``MemoryError`` counts too. Any other error is a bug and must propagate.
     """
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):

@@ -55,7 +55,7 @@ import bench_sb3  # sets MUJOCO_GL=egl unless set: before anything imports mujoc
 from bench import isolated, training_figures
 
 from visppo.atomic import atomic_write_text
-from visppo.bench import bench_devices, format_devices
+from visppo.bench import bench_devices, cpu_name, format_devices
 from visppo.config import load_config
 from visppo.errors import UserError
 from visppo.precision import resolve_precision
@@ -166,17 +166,6 @@ def placement(cfg) -> dict:
     """What ``visppo bench devices`` reports for ``cfg``: per-device timings and the placement."""
     result = isolated(bench_devices, cfg)
     return {**result, "text": format_devices(result)}
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo), else the machine type."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def medians(runs: list[dict]) -> dict:

@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -539,20 +538,11 @@ def _parser() -> Parser:
     return parser
 
 
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo's; else what ``platform`` knows)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def run_info(device: str, argv: list[str] | None) -> dict:
     """What made the JSON, so a file read later says it: when (UTC), on what, under which
     allocator setting, with which command line."""
+    from visppo.bench import cpu_name
+
     on_cuda = device == "cuda" and torch.cuda.is_available()
     return {"device": device, "torch": torch.__version__,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

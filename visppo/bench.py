@@ -11,9 +11,11 @@ does not pay for the copies and the second policy.
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -94,6 +96,18 @@ def bench_devices(cfg: Config, repeats: int = 5) -> dict:
                      "micro_batch": micro})
     train_on, act_on = placement(rows)
     return {"rows": rows, "train.device": train_on, "rollout.device": act_on}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what ``platform`` knows: a timing's or a
+    measurement's JSON says what machine made it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def placement(rows: list[dict]) -> tuple[str, str]:

@@ -28,9 +28,9 @@ from typing import Any
 
 import gymnasium as gym
 
-from visppo.config import Config, build_config, read_config_file, to_dict
+from visppo.config import CODE_PREFIX, Config, build_config, names_a_file, read_config_file, to_dict
 from visppo.deploy import write_spec
-from visppo.envs import CODE_PREFIX, register_code_env
+from visppo.envs import register_code_env
 from visppo.errors import ConfigError
 
 
@@ -73,28 +73,21 @@ def resume_config(run: str | os.PathLike, overrides: Mapping[str, Any],
                   env: Callable[..., gym.Env] | None) -> tuple[Config, dict]:
     """The config and checkpoint to resume ``run`` with (:func:`visppo.checkpoint.load_for_resume`);
     a run on an env built in code gets ``env`` under the id it trained with."""
-    from visppo.checkpoint import load_for_resume, resume_paths
+    from visppo.checkpoint import load_for_resume, resume_paths, trained_env_id
 
-    if isinstance(run, (str, os.PathLike)) and not _is_file(Path(run)) and not Path(run).is_dir():
+    if isinstance(run, (str, os.PathLike)) and not names_a_file(run) and not Path(run).is_dir():
         raise ConfigError(f"resume={str(run)!r} is not a run directory or checkpoint")
     items = [f"{'.'.join(name.split('__'))}={_dotlist_value(value)}" for name, value in overrides.items()]
     run_dir, latest = resume_paths(run)
-    saved_id = read_config_file(run_dir / "config.yaml").get("env", {}).get("id", "")
-    if str(saved_id).startswith(CODE_PREFIX):
+    saved_id = trained_env_id(run_dir)
+    if saved_id.startswith(CODE_PREFIX):
         if env is None or not callable(env):
             raise ConfigError(f"{run_dir} trained on an env built in code ({saved_id}): give it again, "
                               f"visppo.train(resume={str(run)!r}, env=<the env>)")
-        register_code_env(env, env_id=str(saved_id))
+        register_code_env(env, env_id=saved_id)
     elif env is not None:
         raise ConfigError(f"{run_dir} trained on {saved_id}, not on an env built in code: resume it without env=")
     return load_for_resume(run, items)
-
-
-def _is_file(path: Path) -> bool:
-    try:
-        return path.is_file()
-    except OSError:  # e.g. a name too long to be a path
-        return False
 
 
 def _dotlist_value(value: Any) -> str:
@@ -149,7 +142,7 @@ def _config_data(config: Any) -> tuple[dict, str]:
         return merge({}, config), "the config dict"
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
-        if not _is_file(path):
+        if not names_a_file(path):
             raise ConfigError(f"config file {path} not found: give the path of a YAML file (see configs/), a dict "
                               "or None")
         return read_config_file(path), str(path)

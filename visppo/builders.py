@@ -19,6 +19,12 @@ from visppo.memory import format_bytes
 from visppo.policy import ActorCritic
 
 
+def initialised_gpus() -> list[int]:
+    """The GPUs whose RNG a ``torch.random.fork_rng`` must keep: ``torch.manual_seed`` reseeds every
+    GPU's generator too, so whatever seeds or draws inside must not move a run's streams on."""
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+
+
 def resolve_device(name: str, key: str = "train.device") -> torch.device:
     """``auto`` -> cuda when available, else cpu; a CUDA device without CUDA is a ConfigError."""
     if name == "auto":

@@ -26,12 +26,14 @@ import torch
 from visppo import distributed
 from visppo.atomic import atomic_write, atomic_write_bytes, file_mode
 from visppo.config import (
+    CODE_PREFIX,
     RESUMABLE,
     Config,
     build_config,
     differences,
     load_config,
     not_resumable,
+    read_config_file,
     to_dict,
 )
 from visppo.errors import ConfigError, UserError
@@ -287,21 +289,18 @@ def resume_paths(source: str | Path) -> tuple[Path, Path]:
     return run_dir, latest
 
 
-CODE_ENV = "code/"
-"""The env.id prefix of an env built in code (``visppo.envs.CODE_PREFIX``): only a process that has
-the env can resume its run."""
+def trained_env_id(run_dir: Path) -> str:
+    """The env.id in a run's config.yaml ('' when it has none visppo can read)."""
+    try:
+        return str(read_config_file(Path(run_dir) / "config.yaml").get("env", {}).get("id", ""))
+    except (UserError, OSError):
+        return ""
 
 
 def resume_command(run_dir: Path) -> str:
     """How to resume ``run_dir``: ``visppo train --resume``, or for a run on an env built in code the
     Python call that hands the env back (no other process can build it)."""
-    try:
-        import yaml
-
-        env_id = str(yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8"))["env"]["id"])
-    except Exception:  # noqa: BLE001 - no readable config.yaml: the command line's way
-        env_id = ""
-    if env_id.startswith(CODE_ENV):
+    if trained_env_id(run_dir).startswith(CODE_PREFIX):
         return f"visppo.train(resume={str(run_dir)!r}, env=<the env>)"
     return f"visppo train --resume {run_dir}"
 
@@ -312,7 +311,10 @@ SOURCE = "resumed_from"
 
 def check_unchanged(ckpt: dict) -> None:
     """Under the run-dir lock: the checkpoint file read to resume is still as it was read. The run
-    that held the lock may have saved since; resuming its older state would redo that work over it."""
+    that held the lock may have saved since; resuming its older state would redo that work over it.
+    (A checkpoint a caller built, not read from a file, has nothing to check.)"""
+    if SOURCE not in ckpt:
+        return
     path, mtime_ns, size = ckpt[SOURCE]
     now = Path(path).stat()
     if (now.st_mtime_ns, now.st_size) != (mtime_ns, size):
@@ -323,6 +325,8 @@ def make_head(run_dir: Path, ckpt: dict) -> None:
     """A resume from an earlier ``iter_N.pt`` makes that file the run's ``latest.pt`` as the logs
     drop what came after it, so that a crash before the branch's first checkpoint leaves
     ``--resume RUN`` on the branch, not on the abandoned one whose metrics rows are gone."""
+    if SOURCE not in ckpt:
+        return
     path = Path(ckpt[SOURCE][0])
     latest = run_dir / "checkpoints" / "latest.pt"
     if path.resolve() != latest.resolve():

@@ -16,7 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
-from visppo.config import RESUMABLE, field_docs, load_config
+from visppo.config import RESUMABLE, field_docs, load_config, names_a_file
 from visppo.errors import ConfigError, RunError, Stopped, UserError
 
 
@@ -29,17 +29,9 @@ _OVERRIDE = re.compile(r"[^=/]*=")
 """An override's start: a key without '/' (a path such as runs/lr=3e-4/config.yaml is a config)."""
 
 
-def _is_file(arg: str) -> bool:
-    """``Path.is_file`` for any argument: an override's text may be no valid path (too long)."""
-    try:
-        return Path(arg).is_file()
-    except OSError:
-        return False
-
-
 def _split(args: list[str]) -> tuple[str | None, list[str]]:
     """``[CONFIG] [key=value ...]``: the first argument is a config file unless it is an override."""
-    if args and (not _OVERRIDE.match(args[0]) or _is_file(args[0])):
+    if args and (not _OVERRIDE.match(args[0]) or names_a_file(args[0])):
         first = args[0]
         if not first.endswith((".yaml", ".yml")) and not Path(first).is_file():
             raise ConfigError(f"'{first}' is neither a YAML config file nor a key=value override "

@@ -15,6 +15,7 @@ import ast
 import functools
 import inspect
 import math
+import os
 import re
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -31,6 +32,10 @@ from visppo.errors import ConfigError, RunError, Stopped, UserError  # noqa: F40
 TORCHVISION_ENCODERS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
 """model.encoder names built by torchvision (visppo.encoders knows how to cut each family)."""
 ENCODERS = ("nature", "impala", "drq", "spatial_softmax", *TORCHVISION_ENCODERS)
+
+CODE_PREFIX = "code/"
+"""Ids of envs built in code (``visppo.train(env=...)``): ``code/<name>-v<n>``, known to one process,
+so only a process that has the env can build it (or resume a run on it)."""
 
 RESUMABLE = ("ppo.total_steps", "run.progress", "run.tensorboard", "run.log_every",
              "run.checkpoint_every", "run.keep_checkpoints", "train.threads", "train.max_bad_steps",
@@ -280,6 +285,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 MAX_BASE_DEPTH = 8
 """How many ``base:`` files a config may chain (a loop is refused before this)."""
+
+
+def names_a_file(arg: str | os.PathLike) -> bool:
+    """``Path.is_file`` for any argument: an override's text, or YAML given for a path, may be no
+    valid path at all (a name too long)."""
+    try:
+        return Path(arg).is_file()
+    except OSError:
+        return False
 
 
 def read_config_file(path: Path, seen: tuple[Path, ...] = ()) -> dict:

@@ -28,7 +28,7 @@ import gymnasium as gym
 import numpy as np
 
 from visppo import seeding
-from visppo.config import Config
+from visppo.config import CODE_PREFIX, Config
 from visppo.env_check import check_observation_space, env_errors, looks_like_image, raised
 from visppo.env_process import EnvProcess, how_it_ended
 from visppo.errors import ConfigError, EnvError, RunError
@@ -37,8 +37,6 @@ from visppo_envs._gl import ensure_headless_gl
 SYNTHETIC_PREFIX = "visppo/Dot"
 DMC_PREFIXES = ("dmc:", "dmc/")
 """``dmc:<domain>-<task>`` (alias) and ``dmc/<domain>-<task>-v0`` (registered): ``visppo_envs.dmc``."""
-CODE_PREFIX = "code/"
-"""Ids of envs built in code (``visppo.train(env=...)``): ``code/<name>-v<n>``, known to one process."""
 _CODE_ENVS: dict[str, Callable[..., gym.Env]] = {}
 
 

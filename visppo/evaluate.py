@@ -27,7 +27,7 @@ import torch
 from visppo import checkpoint as ckpt_io
 from visppo import seeding
 from visppo.atomic import atomic_write_text, check_writable
-from visppo.builders import build_policy
+from visppo.builders import build_policy, initialised_gpus
 from visppo.checkpoint import CheckpointError
 from visppo.config import Config, from_dict
 from visppo.env_check import check_rollout_step, env_errors, success_of
@@ -82,7 +82,7 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
         if video is not None:
             video.parent.mkdir(parents=True, exist_ok=True)  # only now: the checks before have passed
         writer_cm = video_writer(video, video_fps(env, cfg.env.action_repeat)) if video is not None else no_writer()
-        with writer_cm as writer, torch.random.fork_rng(devices=_initialised_gpus()), torch.inference_mode():
+        with writer_cm as writer, torch.random.fork_rng(devices=initialised_gpus()), torch.inference_mode():
             torch.manual_seed(seed)
             record = ((lambda obs: writer.append(compose_frame(obs["pixels"], cfg.env.frame_stack, render_view)))
                       if writer is not None else None)
@@ -97,12 +97,6 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
         policy.train(was_training)
         torch.set_num_threads(threads)
     return summarize(results, deterministic, seed, written)
-
-
-def _initialised_gpus() -> list[int]:
-    """The GPUs whose RNG ``fork_rng`` must keep: ``torch.manual_seed`` reseeds every GPU's generator
-    too, and a run's rollout would go on from the evaluation's seed (the same in every run)."""
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
 
 
 def _env_call(call: Callable[..., Any], env_id: str) -> Callable[..., Any]:

@@ -193,10 +193,10 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
                 stack.enter_context(ckpt_io.run_dir_lock(run_dir))
                 check_run_dir(run_dir)  # again, under the lock: another process may have started here
                 stack.enter_context(forget_if_unstarted(run_dir, created))
-            elif ckpt_io.SOURCE in resume:  # read from a file (not a dict a caller built)
+            else:
                 ckpt_io.check_unchanged(resume)
             open_logs(run, resume is not None)  # a bad metrics.csv is refused here, before it changes
-            if resume is not None and ckpt_io.SOURCE in resume:
+            if resume is not None:
                 ckpt_io.make_head(run_dir, resume)
             stack.callback(run.logger.close)
             run.profiler = iteration_profiler(run_dir) if cfg.train.profile else None

@@ -243,7 +243,10 @@ def _step(cell: str) -> float:
 def complete_text(path: Path) -> str:
     """A CSV file's text up to its last newline: a last line a kill cut short is not data (a number
     cut from 123.5 would read as 12)."""
-    text = path.read_text(encoding="utf-8")
+    return _complete(path.read_text(encoding="utf-8"))
+
+
+def _complete(text: str) -> str:
     return text if text.endswith("\n") else text[: text.rfind("\n") + 1]
 
 
@@ -257,8 +260,9 @@ def _drop_rows_after(path: Path, step: int) -> list[str] | None:
     if path.is_dir():
         raise ConfigError(f"{path} is a directory, not the run's metrics file: {move_away}")
     try:
-        cut = not path.read_bytes().endswith(b"\n")
-        rows = list(csv.reader(io.StringIO(complete_text(path))))
+        text = path.read_text(encoding="utf-8")
+        kept_text = _complete(text)
+        rows = list(csv.reader(io.StringIO(kept_text)))
     except (UnicodeDecodeError, csv.Error) as exc:
         raise ConfigError(f"{path} is not a CSV file visppo wrote ({type(exc).__name__}): {move_away}") from None
     if not rows:
@@ -269,6 +273,6 @@ def _drop_rows_after(path: Path, step: int) -> list[str] | None:
         raise ConfigError(f"{path} is not a CSV file visppo wrote (its header does not start with global_step): "
                           f"{move_away}")
     kept = [r for r in body if len(r) == len(header) and _step(r[0]) <= step]  # and not cut short by a kill
-    if cut or len(kept) != len(body):
+    if kept_text != text or len(kept) != len(body):
         atomic_write(path, lambda f: csv.writer(f).writerows([header, *kept]), binary=False)
     return header

@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from visppo.atomic import atomic_write_text
 from visppo.buffer import RolloutBuffer
-from visppo.builders import build_policy
+from visppo.builders import build_policy, initialised_gpus
 from visppo.config import Config, parse_bytes
 from visppo.envs import make_env
 from visppo.errors import ConfigError
@@ -523,7 +523,7 @@ def probe(cfg: Config, budget: str | int, device: str = "cuda", mode: str | None
 def _gpus_to_keep(target: torch.device, present: bool) -> list[int]:
     """Every initialised GPU, and a CUDA target (the probe initialises it: its first call applies
     a seed that ``torch.manual_seed`` queued, and the probe's draws would then move it on)."""
-    kept = set(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else set()
+    kept = set(initialised_gpus())
     if target.type == "cuda" and present:
         kept.add(target.index if target.index is not None else torch.cuda.current_device())
     return sorted(kept)

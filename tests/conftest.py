@@ -25,6 +25,36 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` skip without a GPU and form one xdist group (``--dist loadgroup``),
+    so one test process runs them all, in turn: two processes on one GPU would read each other's
+    memory as their own (the CUDA context measurement and tools/validate_probe.py read the
+    device-wide use). Within the group, the ones that measure in child processes
+    (``cuda_children``) run first, before this process has made a CUDA context of its own."""
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(pytest.mark.xdist_group("cuda"))
+            if not torch.cuda.is_available():
+                item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+    items.sort(key=lambda item: 0 if item.get_closest_marker("cuda_children") else 1)  # stable
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache_home(tmp_path_factory):
+    """The tests' caches (the measured CUDA context) go to a folder of their own, never the
+    user's; torchvision's weights are still looked for where they were (``TORCH_HOME``)."""
+    saved = {k: os.environ.get(k) for k in ("XDG_CACHE_HOME", "TORCH_HOME")}
+    os.environ["TORCH_HOME"] = torch.hub.get_dir().removesuffix("/hub")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache_home"))
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def tiny_overrides(tmp_path=None, **extra) -> list[str]:
     """A DotReach run small enough for a unit test: 2 envs x 32 steps, 48x48 frames."""
     base = {

@@ -135,7 +135,7 @@ def test_channels_last_buffer_holds_the_same_frames_and_gathers_them_in_that_lay
     assert cl.flat(cl.obs["pixels"]).data_ptr() == cl.obs["pixels"].data_ptr()  # flat is a view
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_pinned_buffer_gathers_through_staging_to_cuda(channels_last):
     obs_space, act_space = _spaces(frame_stack=1, size=8, state=False)

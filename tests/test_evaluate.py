@@ -395,7 +395,7 @@ def test_gif_when_ffmpeg_is_missing(run_dir, tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["eval.gif"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_evaluation_leaves_the_gpus_random_state_as_it_found_it(run_dir):
     """A periodic evaluation in a GPU run must not reseed the generator the rollout samples from."""
     torch.cuda.init()

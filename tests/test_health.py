@@ -93,7 +93,7 @@ def test_scoring_in_chunks_changes_no_scalar():
     assert whole["health/dead_features"] < 1  # one sample alone would read every feature as dead
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_the_mean_out_of_bounds_is_measured_on_the_gpu():
     """The bounds meet the mean on its own device (a CPU tensor beside a CUDA one would raise)."""
     pol = _policy().cuda()

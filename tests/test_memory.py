@@ -125,7 +125,7 @@ def test_peak_bytes_on_cpu():
     assert peak_bytes(fn, "cpu") == 2 * nbytes(x) + 4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_peak_bytes_on_cuda():
     keep = torch.empty(MIB, device="cuda")  # allocated before: not part of the peak
 

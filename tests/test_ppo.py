@@ -166,7 +166,7 @@ def test_update_skips_non_finite_steps():
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_fp16_on_cuda_uses_a_grad_scaler():
     p = resolve_precision("fp16", torch.device("cuda"))
     assert p.dtype == torch.float16 and p.scaler is not None

@@ -7,6 +7,7 @@ from conftest import infer_with, tiny_overrides, update_with
 from visppo.buffer import RolloutBuffer
 from visppo.cli import main
 from visppo.config import PPOConfig, load_config
+from visppo.errors import ConfigError
 from visppo.policy import ActorCritic
 from visppo.probe import Prober, probe
 
@@ -376,17 +377,19 @@ def test_kernel_workspace_under_a_users_profiler_warns_and_counts_nothing():
 
 def test_real_mode_on_a_gpu_caps_the_allocator_of_an_indexed_device(monkeypatch):
     """``set_per_process_memory_fraction`` refuses a device without an index (ValueError), and
-    ``--device cuda`` gives none: the cap goes to the current GPU. (CUDA faked: the probe stops at
-    the model, after the cap.)"""
+    ``--device cuda`` gives none: the cap goes to the current GPU. The cap leaves the allocator the
+    budget less the CUDA context, which a card of the budget's size holds too. (CUDA faked: the
+    probe stops at the model, after the cap.)"""
     from types import SimpleNamespace
 
     from torch.cuda._utils import _get_device_index
 
     import visppo.probe as probe_mod
 
-    caps = []
+    caps, contexts = [], []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(probe_mod, "cuda_context_bytes", lambda device: contexts.append(device) or (2**30, "stub"))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=80 * 2**30))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda fraction, device=None: caps.append((fraction, _get_device_index(device))))
@@ -403,10 +406,22 @@ def test_real_mode_on_a_gpu_caps_the_allocator_of_an_indexed_device(monkeypatch)
     monkeypatch.setattr(probe_mod, "Prober", stop)
     with pytest.raises(ModelBuilt):
         probe(load_config(None, tiny_overrides()), "8GiB", "cuda", mode="real")
-    assert caps == [(0.1, 3)] and kept == [3]
+    assert caps == [(7 / 80, 3)] and kept == [3] and contexts == [torch.device("cuda", 3)]
     probe_mod.emulate_smaller_card(8 * 2**30, torch.device("cuda", 1))  # an index given is kept
     probe_mod.emulate_smaller_card(80 * 2**30, torch.device("cuda"))  # the whole card: no cap
-    assert caps == [(0.1, 3), (0.1, 1)]
+    assert caps == [(7 / 80, 3), (7 / 80, 1)]
+    with pytest.raises(ConfigError, match="nothing beside the CUDA context"):
+        probe_mod.emulate_smaller_card(2**30, torch.device("cuda"))
+
+
+def test_a_cap_leaves_the_allocator_the_budget_less_the_context():
+    import visppo.probe as probe_mod
+
+    gib = 2**30
+    assert probe_mod.cap_fraction(3 * gib, gib, 80 * gib) == pytest.approx(2 / 80)
+    assert probe_mod.cap_fraction(100 * gib, gib, 80 * gib) == 1.0  # more than the card: no cap
+    with pytest.raises(ValueError, match="nothing beside the CUDA context"):
+        probe_mod.cap_fraction(gib, gib, 80 * gib)
 
 
 def _out_of_memory_above(samples: int, monkeypatch) -> None:

@@ -229,7 +229,7 @@ def test_a_flat_critic_is_reported_once_after_20_iterations_in_a_row():
 
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("recompute", ["false", "true"])
 def test_a_rollout_buffer_on_the_gpu_trains(tmp_path, recompute):
     """``memory.buffer_device=device``: bootstrap values (host tensors from the chunked passes)

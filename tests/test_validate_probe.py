@@ -146,19 +146,19 @@ def test_split_gradient_check_halves_an_overflowing_loss_scale_as_the_scaler_wou
     assert scaler.get_scale() == 1024
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def _alone_on_the_gpu() -> None:
+    """The children read the device-wide use: this process must hold no CUDA memory of its own."""
+    assert not torch.cuda.is_initialized(), ("this test process made a CUDA context before a test that "
+                                             "measures in children: run the cuda_children tests first")
+
+
+@pytest.mark.cuda
+@pytest.mark.cuda_children
 @pytest.mark.parametrize("amp", vp.HEADLINE_AMPS)
 def test_headline_fits_an_8_gib_card(amp):
+    _alone_on_the_gpu()
     h = vp.child("cuda", "--headline-one", amp, 0)
     assert h["passed"], vp.format_headline(h)
-
-
-def test_a_cap_leaves_the_allocator_the_estimate_less_the_context():
-    gib = 2**30
-    assert vp.cap_fraction(3 * gib, gib, 80 * gib) == pytest.approx(2 / 80)
-    assert vp.cap_fraction(100 * gib, gib, 80 * gib) == 1.0  # more than the card: no cap
-    with pytest.raises(ValueError, match="nothing beside the CUDA context"):
-        vp.cap_fraction(gib, gib, 80 * gib)
 
 
 def test_the_capped_pass_repeats_each_row_at_its_estimate_plus_the_slack():
@@ -185,9 +185,11 @@ CUDA_ROWS = [("nature", 84, "off", "micro_batch", 64), ("nature", 84, "bf16", "i
              ("mobilenet_v3_small", 224, "off", "micro_batch", 64)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
+@pytest.mark.cuda_children
 @pytest.mark.parametrize("encoder, image, amp, kind, size", CUDA_ROWS)
 def test_cuda_estimate_within_the_limits_uncapped_and_capped(encoder, image, amp, kind, size):
+    _alone_on_the_gpu()
     row = dict(encoder=encoder, image=image, amp=amp, kind=kind, size=size)
     free = vp.child("cuda", "--one", json.dumps(row), 0)
     [capped_row] = vp.capped_rows([free])

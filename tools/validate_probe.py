@@ -228,18 +228,10 @@ def device_use(device: torch.device) -> dict:
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
 
 
-def cap_fraction(cap_bytes: int, context_bytes: int, total_bytes: int) -> float:
-    """The ``set_per_process_memory_fraction`` that lets the allocator hold ``cap_bytes`` of device
-    use in all: the CUDA context lives outside the allocator, so it comes off the cap."""
-    if cap_bytes <= context_bytes:
-        raise ValueError(f"a cap of {cap_bytes} B leaves nothing beside the CUDA context ({context_bytes} B)")
-    return min(1.0, (cap_bytes - context_bytes) / total_bytes)
-
-
 def cap_allocator(device: torch.device, cap_bytes: int) -> int:
     """Hold this process's allocator to ``cap_bytes`` of device use, the measured CUDA context
     included (as on a card of that size); returns that context's bytes."""
-    from visppo.probe import cuda_context_bytes
+    from visppo.probe import cap_fraction, cuda_context_bytes
 
     context, _ = cuda_context_bytes(device)
     total = torch.cuda.get_device_properties(device).total_memory

@@ -473,14 +473,29 @@ class Prober:
         return Candidate(kind, size, peak, peak <= limit, breakdown)
 
 
+def cap_fraction(cap_bytes: int, context_bytes: int, total_bytes: int) -> float:
+    """The ``set_per_process_memory_fraction`` that lets the allocator hold ``cap_bytes`` of device
+    use in all: the CUDA context lives outside the allocator, so it comes off the cap."""
+    if cap_bytes <= context_bytes:
+        raise ValueError(f"a cap of {cap_bytes} B leaves nothing beside the CUDA context ({context_bytes} B)")
+    return min(1.0, (cap_bytes - context_bytes) / total_bytes)
+
+
 def emulate_smaller_card(budget_bytes: int, device: torch.device) -> None:
-    """In real mode on a bigger GPU, cap this process at ``budget_bytes`` so that sizes that
-    would not fit the target card really raise out-of-memory here. ``cuda`` without an index is
-    the current GPU (``set_per_process_memory_fraction`` refuses a device without one)."""
+    """In real mode on a bigger GPU, cap this process so that its whole use, the CUDA context
+    included (a card of ``budget_bytes`` holds that too), stays within ``budget_bytes``: sizes that
+    would not fit the target card then really raise out-of-memory here. ``cuda`` without an index
+    is the current GPU (``set_per_process_memory_fraction`` refuses a device without one)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
     if budget_bytes < total:
-        torch.cuda.set_per_process_memory_fraction(budget_bytes / total, index)
+        context, _ = cuda_context_bytes(torch.device("cuda", index))
+        try:
+            fraction = cap_fraction(budget_bytes, context, total)
+        except ValueError:
+            raise ConfigError(f"a budget of {format_bytes(budget_bytes)} leaves nothing beside the CUDA "
+                              f"context ({format_bytes(context)}): give a larger budget") from None
+        torch.cuda.set_per_process_memory_fraction(fraction, index)
 
 
 MARGIN = 0.10

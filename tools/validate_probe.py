@@ -263,6 +263,23 @@ def within_limits(row: dict, limits: tuple[float, float] = LIMITS) -> list[str]:
     return problems
 
 
+def grid_problems(data: dict) -> list[str]:
+    """What keeps a CUDA run's JSON from meeting issue 58's bar (empty: it meets it): it says what
+    made it; every row passes :func:`within_limits`, uncapped and capped, and each has its capped
+    run; every precision of :data:`AMPS` is in the grid; every headline precision ran and passed."""
+    problems = [f"no {key}" for key in ("date", "device_name", "torch", "cuda") if key not in data]
+    problems += [format_row(r) for r in data["rows"] if within_limits(r)]
+    key = lambda r: (r["encoder"], r["image"], r["amp"], r["kind"], r["size"])  # noqa: E731
+    capped = {key(r) for r in data["rows"] if "cap_bytes" in r}
+    problems += [f"{' '.join(map(str, k))}: without its capped run" for k in
+                 sorted({key(r) for r in data["rows"] if "cap_bytes" not in r} - capped)]
+    problems += [f"no {amp} row" for amp in AMPS if amp not in {r["amp"] for r in data["rows"]}]
+    headlines = {h["amp"]: h for h in data.get("headline", [])}
+    problems += [f"headline {amp}: " + ("did not run" if amp not in headlines else format_headline(headlines[amp]))
+                 for amp in HEADLINE_AMPS if not headlines.get(amp, {}).get("passed")]
+    return problems
+
+
 def _cuda_phases(device: torch.device, cap_bytes: int | None = None, capped_phase: str = "build"):
     """Before the score pass, hand the update's cached segments back and reset the peaks, so an
     ``infer_chunk`` row measures the chunked pass alone (as the CPU oracle's window does): the

@@ -87,6 +87,7 @@ def test_the_grid_measures_each_row_in_a_fresh_process():
     (["--json", "nowhere/v.json"], "does not exist"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
     (["--cap"], "--cap caps the CUDA allocator: give --device cuda"),
+    (["--traces", "traces"], "--traces records the CUDA allocator: give --device cuda"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(capsys, args, needle):
     try:
@@ -337,6 +338,52 @@ def test_headline_first_then_each_row_with_its_capped_run_and_failures_go_on(mon
     assert data["rows"][1]["cap_bytes"] == 1020
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "capped and uncapped: 2 of 5 rows outside" in last and "1 of 3 headlines failed" in last
+
+
+def test_traces_go_with_the_uncapped_rows_into_the_folder_given(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stub GPU")
+    calls = _stub_children(monkeypatch, fail=set())
+    monkeypatch.setattr(vp, "CUDA_GRID", [("nature", 84, (64,), (256,))])
+    assert vp.main(["--device", "cuda", "--amp", "off", "--cap", "--no-headline", "--traces", str(tmp_path / "t")]) == 0
+    rows = [json.loads(v) for _, v in calls]
+    assert [r.get("trace") for r in rows] == [str(tmp_path / "t" / "nature_84_off_micro_batch_64.json.gz"), None,
+                                              str(tmp_path / "t" / "nature_84_off_infer_chunk_256.json.gz"), None]
+    assert (tmp_path / "t").is_dir()
+
+
+def test_a_traced_run_writes_every_allocator_action_and_where_each_phase_starts(monkeypatch, tmp_path):
+    """(The allocator's history stubbed: what is written, and when recording starts and stops, is tested.)"""
+    import gzip
+
+    recording, trace = [], []
+
+    def snapshot(device=None):
+        trace.append({"action": "snapshot", "addr": 0, "size": 0, "stream": 0})
+        return {"device_traces": [list(trace)],
+                "segments": [{"address": 4096, "total_size": 2**21, "allocated_size": 512, "segment_type": "small",
+                              "blocks": []}]}
+
+    def workload(cfg, device, kind, size, phase):
+        yield "ready"
+        for name in ("build", "update"):
+            with phase(name):
+                trace.append({"action": "alloc", "addr": 4096, "size": 512, "stream": 7, "frames": []})
+        yield "done"
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda enabled, **kw: recording.append(enabled))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", snapshot)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(vp, "_workload", workload)
+    monkeypatch.setattr(vp, "device_use", lambda device: {"device_used": 10, "memory_reserved": 4,
+                                                          "max_memory_reserved": 6})
+    m = vp.measure_cuda(None, "micro_batch", 8, trace=str(tmp_path / "row.json.gz"))
+    assert recording == ["all", None] and m["trace"] == "row.json.gz" and m["trace_entries"] == 5
+    data = json.loads(gzip.decompress((tmp_path / "row.json.gz").read_bytes()))
+    assert data["phases"] == ["build", "update"]
+    assert data["events"] == [["snapshot", 0, 0, 0], ["alloc", 4096, 512, 7], ["snapshot", 0, 0, 0],
+                              ["alloc", 4096, 512, 7], ["snapshot", 0, 0, 0]]
+    assert data["segments"] == [[4096, 2**21, 512, "small"]]
 
 
 @pytest.mark.parametrize("message, capped, counts", [

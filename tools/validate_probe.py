@@ -3,6 +3,7 @@
     python tools/validate_probe.py --device cpu --json probe_cpu.json     # oracle: torch.profiler
     python tools/validate_probe.py --device cuda --json probe_gpu.json    # real GPU: allocator + driver
     python tools/validate_probe.py --device cpu --quick                   # a small grid: seconds
+    python tools/validate_probe.py --device cuda --cap --traces traces/   # + capped rows, allocator traces
     exit code 0: every row and headline passed; exit code 1: one failed (outside LIMITS, or out
     of memory under its cap); exit code 2: bad input
 
@@ -48,6 +49,12 @@ retries, and cuDNN picks smaller workspaces, so the capped row is what an 8 GiB
 card sees. It passes when it runs without running out of memory (no back-off
 warning either; cuDNN's and cuBLAS's allocation failures, plain ``RuntimeError``s, count as
 out of memory there) and its device use is within :data:`LIMITS` of the estimate.
+
+``--traces DIR`` (CUDA) also writes every uncapped row's allocator actions, in order, to
+``DIR/<row>.json.gz`` (``torch.cuda.memory._record_memory_history``, without stack frames: every
+alloc, free and cudaMalloc'd or freed segment with its bytes and stream, where each phase starts,
+and the segments held at the end): what a model of the caching allocator can be built and checked
+against on a machine without a GPU.
 
 Each row runs in a child process (``--one``) so that no allocator cache,
 autocast cache or profiler state carries from one row to the next. A child that fails
@@ -280,7 +287,8 @@ def grid_problems(data: dict) -> list[str]:
     return problems
 
 
-def _cuda_phases(device: torch.device, cap_bytes: int | None = None, capped_phase: str = "build"):
+def _cuda_phases(device: torch.device, cap_bytes: int | None = None, capped_phase: str = "build",
+                 marks: list[str] | None = None):
     """Before the score pass, hand the update's cached segments back and reset the peaks, so an
     ``infer_chunk`` row measures the chunked pass alone (as the CPU oracle's window does): the
     update before it runs the unsplit minibatch, whose peak is not the chunk's. With ``cap_bytes``,
@@ -290,6 +298,9 @@ def _cuda_phases(device: torch.device, cap_bytes: int | None = None, capped_phas
 
     @contextmanager
     def phase(name):
+        if marks is not None:  # a traced run: a "snapshot" entry marks where the phase starts
+            marks.append(name)
+            torch.cuda.memory._snapshot(device)
         if name == "score":
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
@@ -300,18 +311,22 @@ def _cuda_phases(device: torch.device, cap_bytes: int | None = None, capped_phas
     return phase
 
 
-def measure_cuda(cfg, kind: str, size: int, cap_bytes: int | None = None) -> dict:
+def measure_cuda(cfg, kind: str, size: int, cap_bytes: int | None = None, trace: str | None = None) -> dict:
     """The row's workload on the GPU, in a process that has not touched CUDA before. The measured
     figure is the device's whole use at the allocator's peak: what ``mem_get_info`` shows at the end
     (context included), less what the allocator holds then, plus its peak reservation. Run on a
     GPU no other process uses (``device_used`` counts every process). With ``cap_bytes``, the
     allocator is capped (see ``--cap``) and ``oom`` lists every out-of-memory the run met, whether
-    training backed off from it (a warning) or not (the error)."""
+    training backed off from it (a warning) or not (the error). With ``trace`` (a ``.json.gz``
+    path), every allocator action of the run is written there (:func:`write_trace`)."""
     import warnings
 
+    marks = [] if trace else None  # the phases in order: phase i starts at the trace's i-th "snapshot" entry
+    if trace:
+        torch.cuda.memory._record_memory_history("all", context=None, stacks="python")
     device = torch.device("cuda", torch.cuda.current_device())
     capped_phase = "score" if kind == "infer_chunk" else "build"
-    work = _workload(cfg, device, kind, size, _cuda_phases(device, cap_bytes, capped_phase))
+    work = _workload(cfg, device, kind, size, _cuda_phases(device, cap_bytes, capped_phase, marks))
     next(work)  # the host buffer; CUDA is initialised by the workload itself
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -324,10 +339,40 @@ def measure_cuda(cfg, kind: str, size: int, cap_bytes: int | None = None) -> dic
             failed = [str(exc).splitlines()[0]]
     m = device_use(device)
     m["measured_bytes"] = m["device_used"] - m["memory_reserved"] + m["max_memory_reserved"]
+    if trace:
+        m["trace"], m["trace_entries"] = Path(trace).name, write_trace(torch.cuda.memory._snapshot(device), marks, trace)
+        torch.cuda.memory._record_memory_history(None)
     if cap_bytes is not None:
         m["cap_bytes"] = cap_bytes
         m["oom"] = [str(w.message) for w in caught if "out of memory" in str(w.message)] + failed
     return m
+
+
+def compact_trace(snapshot: dict, phases: list[str]) -> dict:
+    """What a model of the caching allocator needs from ``torch.cuda.memory._snapshot()``: every
+    action in order as ``[action, address, bytes, stream]`` (no stack frames), the phase each
+    "snapshot" entry opens, and the segments held at the end as ``[address, total, allocated,
+    small or large]``."""
+    events = [[e["action"], e.get("addr", 0), e.get("size", 0), e.get("stream", 0)]
+              for trace in snapshot["device_traces"] for e in trace]
+    segments = [[s["address"], s["total_size"], s["allocated_size"], s["segment_type"]] for s in snapshot["segments"]]
+    return {"format": "[action, address, bytes, stream]", "phases": list(phases), "events": events,
+            "segments": segments}
+
+
+def trace_name(row: dict) -> str:
+    return f"{row['encoder']}_{row['image']}_{row['amp']}_{row['kind']}_{row['size']}.json.gz"
+
+
+def write_trace(snapshot: dict, phases: list[str], path: str) -> int:
+    """:func:`compact_trace` of ``snapshot`` as gzipped JSON at ``path``, atomically; its number of events."""
+    import gzip
+
+    from visppo.atomic import atomic_write_bytes
+
+    compact = compact_trace(snapshot, phases)
+    atomic_write_bytes(Path(path), gzip.compress(json.dumps(compact, separators=(",", ":")).encode(), mtime=0))
+    return len(compact["events"])
 
 
 def is_cap_oom(exc: BaseException) -> bool:
@@ -431,7 +476,7 @@ def run_row(row: dict, device: str) -> dict:
     out = {"config": f"{row['encoder']} {row['image']}x{row['image']}x9 amp={row['amp']}", **row,
            "minibatch": minibatch, "rollout": rollout}
     if device == "cuda":  # first, in a process that has not touched CUDA: the estimate measures the context
-        out.update(measure_cuda(cfg, row["kind"], row["size"], row.get("cap_bytes")))
+        out.update(measure_cuda(cfg, row["kind"], row["size"], row.get("cap_bytes"), row.get("trace")))
     out.update(estimate(cfg, row["kind"], row["size"], device, "fake"))
     if device == "cpu":
         if row.get("real_mode", True):  # the probe's real mode too (same meters on real tensors)
@@ -541,6 +586,8 @@ def _parser() -> Parser:
     parser.add_argument("--no-headline", action="store_true", help="cuda: skip the 8 GiB headline check")
     parser.add_argument("--cap", action="store_true",
                         help=f"cuda: run every row again with the allocator capped at its estimate + {100 * CAP_SLACK:.0f}%%")
+    parser.add_argument("--traces", type=Path, metavar="DIR",
+                        help="cuda: write every uncapped row's allocator actions to DIR/<row>.json.gz (made if missing)")
     parser.add_argument("--fake-only", action="store_true", help="cpu: skip the real-mode estimate (faster)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--headline-one", help=argparse.SUPPRESS)
@@ -576,6 +623,10 @@ def check(args: argparse.Namespace) -> str | None:
         return f"--amp {args.amp}: {', '.join(wrong)} is not one of {', '.join(allowed)} on {args.device}"
     if args.cap and args.device != "cuda":
         return "--cap caps the CUDA allocator: give --device cuda with it, or leave --cap out"
+    if args.traces is not None and args.device != "cuda":
+        return "--traces records the CUDA allocator: give --device cuda with it, or leave --traces out"
+    if args.traces is not None and args.traces.exists() and not args.traces.is_dir():
+        return f"--traces {args.traces} is a file: give a folder"
     if args.threads < 0:
         return f"--threads must be at least 0, got {args.threads}"
     if args.json is not None and not args.json.parent.is_dir():
@@ -620,6 +671,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cap:
         print(f"each row, then capped: the allocator held to its estimate + {100 * CAP_SLACK:.0f}%", flush=True)
     rows = [{**row, "real_mode": not args.fake_only} for row in plan(grid, args.amp.split(","))]
+    if args.traces is not None:
+        args.traces.mkdir(parents=True, exist_ok=True)
+        rows = [{**row, "trace": str(args.traces / trace_name(row))} for row in rows]
     for r in run_grid(rows, args.device, args.threads, cap=args.cap):
         results.append(r)  # a capped row is the one with cap_bytes
         print(format_row(r), flush=True)

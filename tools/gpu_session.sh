@@ -2,13 +2,16 @@
 # The GPU checks of issue 58, as one prepared command for a session lent a GPU machine.
 #
 # The lent machine is bare and offline: its python3 (3.12) has torch but not gymnasium, mujoco,
-# omegaconf or stable-baselines3, and no registry can be reached from it. So, first, HERE (a
-# machine with a registry), once per checkout:
+# omegaconf, stable-baselines3 or dm_control, and no registry can be reached from it. So, first,
+# HERE (a machine with a registry), once per checkout:
 #
 #     bash tools/gpu_session.sh prepare
 #
-# downloads into .whl/ the wheels that machine lacks (cp312, x86-64, the versions installed here)
-# and into .gl/ the EGL loader packages MuJoCo renders through (both git-ignored). Then, with the
+# downloads into .whl/ the wheels that machine lacks (cp312, x86-64, the versions installed here;
+# dm_control trimmed by tools/trim_wheel.py to what dm_control.suite loads, dog-* tasks' meshes
+# left out, 54 MiB -> 240 KiB, so that the tree and both folders stay well under the 64 MiB a call
+# carries: prepare prints the total) and
+# into .gl/ the EGL loader packages MuJoCo renders through (both git-ignored). Then, with the
 # device tool:
 #
 #     run(command="bash tools/gpu_session.sh", carry=[".whl", ".gl"], timeout_s=600)
@@ -24,26 +27,52 @@
 #               each row followed by its run with the allocator capped at its estimate + 2%; it
 #               rewrites its JSON after every row, so a cut-short run keeps the headline and whole
 #               pairs; a failing child is recorded as a failed row and the next runs; PROBE_ARGS
-#               replaces --cap)
+#               replaces --cap); with --traces, every uncapped row's allocator actions, packed at the
+#               step's end into $OUT/alloc_traces.tar (what a model of the caching allocator is
+#               checked against on a machine without a GPU)
 #   expandable  (only when STEPS names it) the fp32 grid again, uncapped and capped, under
 #               PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, into
 #               $OUT/probe_validation_cuda_expandable.json: whether that allocator's reserve follows
 #               what it allocated closely enough for the probe to model it (EXPANDABLE_TIMEOUT, 240 s)
 #   speed       tools/speed_vs_sb3.py --device cuda --json $OUT/speed_vs_sb3_cuda.json (visppo vs SB3,
 #               end to end, interleaved, and visppo bench's placement; its JSON also after every repeat)
-#   cudatests   (only when STEPS names it) the tests that skip without CUDA, on CUDA: pytest -k
-#               "cuda or gpu" over the test files that have them (CUDATESTS_TIMEOUT, 90 s)
-#   nvidia_smi, pip_list    snapshots
+#   cudatests   (only when STEPS names it) the tests marked `cuda` (they skip without CUDA), on
+#               CUDA, in one process, but for those that measure in child processes (the probe
+#               step runs their rows and headlines): pytest -m "cuda and not cuda_children" over the
+#               files that have them (CUDATESTS_TIMEOUT, 90 s)
+#   dmc         (only when STEPS names it) issue 58 step 3, a DMC row on the suite's own look
+#               (env.kwargs.look=published): one cartpole-swingup frame rendered through
+#               visppo_envs.dmc (60 s); `visppo train DMC_CONFIG` (configs/dmc_cartpole_swingup.yaml,
+#               the one recipe) with train.device=cuda train.amp=off (fp32, as the fast-look rows trained:
+#               only the look differs) run.progress=false, its run dir in /tmp, for
+#               DMC_TIMEOUT s, then one SIGTERM: visppo ends the iteration in progress, writes its
+#               checkpoint and exits 143 (SIGKILL DMC_GRACE s later, 60); then `visppo eval` of that
+#               checkpoint, 10 deterministic episodes on the same look (DMC_EVAL_TIMEOUT, 90 s).
+#               DMC_TIMEOUT (auto) is by default what is left of DMC_CALL_LIMIT (590 s from the
+#               call's start) once the steps before it ran and the worst case of what follows is set
+#               aside (DMC_GRACE + DMC_EVAL_TIMEOUT + 60 s: the evaluation's kill and the snapshots,
+#               seconds when nothing hangs), at least 10 s: about 330 s of training in a call of its
+#               own, which then ends within its 10 minutes. It leaves
+#               dmc.log (the commands' output, the eval JSON, the metrics' last rows) and
+#               dmc_run.tar.gz (metrics.csv, config.yaml, then eval.json) in $OUT. DMC_ARGS adds
+#               training overrides. Best a call of its own, the session's (15 minutes of device
+#               time hold one cold start and one 10-minute call, not this and the default one):
+#                   run(command="STEPS=dmc bash tools/gpu_session.sh", carry=[".whl", ".gl"],
+#                       timeout_s=600)
+#   machine     nvidia-smi and pip list, one log
 #
 # The limits add up to under the 10 minutes of one command (about 9 at most):
 # SETUP_TIMEOUT (90 s), PROBE_TIMEOUT (240 s), SPEED_TIMEOUT (180 s); SPEED_ARGS changes the
 # speed script's sizes. STEPS (default "probe speed") picks the steps, so that a session can give
 # each its own call, e.g. STEPS=probe PROBE_TIMEOUT=420, then STEPS="expandable speed", and
-# STEPS="cudatests expandable" after the default call.
-# Two steps to a call: at most 7 files land in $OUT (the device tool brings back 8).
+# STEPS="cudatests expandable" after the default call (STEPS=dmc: see above).
+# Files in $OUT: setup.log and machine.log, and two a step (its log, and its JSON or dmc's
+# tarball; probe three: its traces too; cudatests: its log only). The default call leaves 7 (the
+# device tool brings back 8); any two steps at most 7; three steps only with cudatests, not probe.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
+CALL_START=$(date +%s)
 
 if [ "${1:-}" = "prepare" ]; then  # HERE, not on the GPU machine
     set -e
@@ -52,15 +81,33 @@ if [ "${1:-}" = "prepare" ]; then  # HERE, not on the GPU machine
 import importlib.metadata as m
 names = ["gymnasium", "farama-notifications", "mujoco", "glfw", "pyopengl", "omegaconf",
          "antlr4-python3-runtime", "stable-baselines3", "pytest", "pluggy", "iniconfig",
-         "packaging", "pygments", "pytest-timeout"]
+         "packaging", "pygments", "pytest-timeout", "dm-env"]
 print(" ".join(f"{n}=={m.version(n)}" for n in names))
 EOF
 )
-    echo "wheels: $pins"
+    dmc_pin=dm-control==$($PY -c 'import importlib.metadata as m; print(m.version("dm-control"))')
+    echo "wheels: $pins $dmc_pin (trimmed)"
+    dl=(-m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
     # shellcheck disable=SC2086
-    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $pins
+    $PY "${dl[@]}" -d .whl $pins
+    # dm_control without what dm_control.suite never imports or reads (locomotion/'s walkers and
+    # soccer assets, mujoco/testing/'s frames, manipulation/ and the packages only they import) and
+    # without the dog's meshes (9 MiB; no config of visppo's trains a dog task): every other suite
+    # task loads there; the build tag 0trimmed marks the wheel.
+    full=$(mktemp -d)
+    $PY "${dl[@]}" -d "$full" "$dmc_pin"
+    rm -f .whl/dm_control-*.whl
+    src=$(ls "$full"/dm_control-*-py3-none-any.whl)
+    base=$(basename "$src")
+    $PY tools/trim_wheel.py "$src" ".whl/${base/-py3-none-any/-0trimmed-py3-none-any}" \
+        --drop dm_control/locomotion/ --drop dm_control/manipulation/ --drop dm_control/mujoco/testing/ \
+        --drop dm_control/composer/ --drop dm_control/mjcf/ --drop dm_control/entities/ \
+        --drop dm_control/third_party/ --drop dm_control/viewer/ --drop dm_control/blender/ \
+        --drop dm_control/autowrap/ --drop dm_control/suite/all_domains.png --drop dm_control/suite/explore.py \
+        --drop dm_control/suite/dog_assets/
+    rm -rf "$full"
     o='-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64'
     # shellcheck disable=SC2086
     apt-get $o update -qq
@@ -68,6 +115,10 @@ EOF
     (cd .gl && apt-get $o download -qq libegl1 libglvnd0 libopengl0 libgl1 libglx0 libgles2)
     du -sh .whl .gl
     ls .whl .gl
+    tree=$(git ls-files -z | xargs -0 du -cb | tail -n 1 | cut -f 1)
+    carried=$(du -cb .whl .gl | tail -n 1 | cut -f 1)
+    echo "a call carries $(( (tree + carried) >> 20 )) MiB of 64: tracked tree $(( tree >> 20 )) MiB," \
+        ".whl and .gl $(( carried >> 20 )) MiB (and any untracked file git does not ignore)"
     echo "now: run(command=\"bash tools/gpu_session.sh\", carry=[\".whl\", \".gl\"], timeout_s=600)"
     exit 0
 fi
@@ -84,9 +135,11 @@ setup() {  # runs in this shell (its exports stay); each install under a time li
         echo "unpacked $(ls .gl/*.deb | wc -l) EGL/GL packages from .gl/"
     fi
     ldconfig -p | grep -q 'libEGL.so.1' || echo "warning: no libEGL.so.1: MuJoCo cannot render (carry .gl/)"
-    missing=$($PY - <<'EOF'
-import importlib.util
+    missing=$($PY - "$STEPS" <<'EOF'
+import importlib.util, sys
 need = ["gymnasium", "mujoco", "omegaconf", "stable_baselines3", "OpenGL"]
+if "dmc" in sys.argv[1].split():
+    need += ["dm_control", "dm_env"]
 print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
 EOF
 )
@@ -128,16 +181,57 @@ step() {  # step NAME SECONDS COMMAND...: its log in $OUT/NAME.log, its exit cod
     echo "$name: exit $rc$([ $rc = 124 ] && echo " (cut at ${limit} s)") in $(( $(date +%s) - start )) s"
 }
 
+dmc() {  # issue 58 step 3: the one DMC recipe on the suite's own look, stopped, then evaluated
+    local run=${TMPDIR:-/tmp}/gpu_session_dmc keep=${TMPDIR:-/tmp}/gpu_session_dmc_keep rc erc=none
+    rm -rf "$run" "$keep"
+    mkdir -p "$keep"
+    echo "== one frame through visppo_envs.dmc"
+    timeout -k 5 60 $PY -c "import dm_control, visppo_envs.dmc as d; e = d.DMCEnv('cartpole', 'swingup', look='published'); \
+o, _ = e.reset(seed=0); print('dm_control', dm_control.__file__, 'frame', o.shape, o.dtype, 'mean %.1f' % o.mean()); e.close()"
+    local limit=$DMC_TIMEOUT
+    if [ "$limit" = auto ]; then  # the rest of the call, the worst case of what follows set aside
+        limit=$(( DMC_CALL_LIMIT - ($(date +%s) - CALL_START) - DMC_GRACE - DMC_EVAL_TIMEOUT - 60 ))
+        [ "$limit" -ge 10 ] || limit=10
+    fi
+    echo "== train $DMC_CONFIG for $limit s, then SIGTERM"
+    # --foreground: one SIGTERM, to visppo alone (a second one would abort it without a checkpoint;
+    # its env workers leave signals to it); --preserve-status: visppo's own exit code
+    # shellcheck disable=SC2086
+    timeout --foreground --preserve-status -k "$DMC_GRACE" "$limit" $PY -m visppo train "$DMC_CONFIG" \
+        env.kwargs.look=published train.device=cuda train.amp=off run.progress=false run.dir="$run" $DMC_ARGS
+    rc=$?
+    echo "train: exit $rc (143: stopped by SIGTERM, checkpoint written; 0: finished; 137: killed)"
+    for f in metrics.csv config.yaml; do  # packed now, and again with eval.json: a cut call keeps them
+        if [ -f "$run/$f" ]; then cp "$run/$f" "$keep/"; fi
+    done
+    tar -czf "$OUT/dmc_run.tar.gz" -C "$keep" .
+    if [ -f "$run/checkpoints/latest.pt" ]; then
+        echo "== eval $run: 10 deterministic episodes on the suite's look"
+        timeout -k 10 "$DMC_EVAL_TIMEOUT" $PY -m visppo eval "$run" --episodes 10 --deterministic \
+            --json "$keep/eval.json" env.kwargs.look=published
+        erc=$?
+        echo "eval: exit $erc"
+    else
+        echo "no $run/checkpoints/latest.pt: nothing to evaluate"
+    fi
+    tar -czf "$OUT/dmc_run.tar.gz" -C "$keep" .
+    echo "== dmc_run.tar.gz: $(cd "$keep" && echo *)"
+    if [ -f "$keep/eval.json" ]; then cat "$keep/eval.json"; echo; fi
+    if [ -f "$keep/metrics.csv" ]; then head -n 1 "$keep/metrics.csv"; tail -n 3 "$keep/metrics.csv"; fi
+    { [ "$rc" = 143 ] || [ "$rc" = 0 ]; } && [ "$erc" = 0 ]  # the step's exit code
+}
+
 SETUP_TIMEOUT=${SETUP_TIMEOUT:-90}
+STEPS=${STEPS:-probe speed}
 start=$(date +%s)
 setup >"$OUT/setup.log" 2>&1
 echo "setup: done in $(( $(date +%s) - start )) s (see setup.log)"
 tail -n 4 "$OUT/setup.log"
-STEPS=${STEPS:-probe speed}
 case " $STEPS " in *" probe "*)
     # shellcheck disable=SC2086
     step probe "${PROBE_TIMEOUT:-240}" $PY tools/validate_probe.py --device cuda ${PROBE_ARGS:---cap} \
-        --json "$OUT/probe_validation_cuda.json" ;;
+        --traces "${TMPDIR:-/tmp}/alloc_traces" --json "$OUT/probe_validation_cuda.json"
+    tar -cf "$OUT/alloc_traces.tar" -C "${TMPDIR:-/tmp}" alloc_traces && echo "alloc_traces.tar: $(du -h "$OUT/alloc_traces.tar" | cut -f 1)" ;;
 esac
 case " $STEPS " in *" expandable "*)
     step expandable "${EXPANDABLE_TIMEOUT:-240}" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
@@ -149,11 +243,17 @@ case " $STEPS " in *" speed "*)
     step speed "${SPEED_TIMEOUT:-180}" $PY tools/speed_vs_sb3.py --device cuda ${SPEED_ARGS:---iterations 4 --repeats 3} \
         --json "$OUT/speed_vs_sb3_cuda.json" ;;
 esac
-case " $STEPS " in *" cudatests "*)  # -o addopts=: not the project's "-n 2" (xdist is not carried)
+case " $STEPS " in *" cudatests "*)  # -o addopts=: one process (not the project's "-n 2")
     step cudatests "${CUDATESTS_TIMEOUT:-90}" $PY -m pytest -q -rs -p no:cacheprovider -o addopts= \
-        -m "not slow" -k "cuda or gpu" tests/test_buffer.py tests/test_memory.py tests/test_ppo.py \
-        tests/test_train.py ;;
+        -m "cuda and not cuda_children and not slow" $(grep -l "pytest.mark.cuda" tests/test_*.py) ;;  # only those files: the others may import what is not carried
 esac
-step nvidia_smi 20 nvidia-smi
-step pip_list 30 $PY -m pip list
+case " $STEPS " in *" dmc "*)  # its commands run under limits of their own
+    DMC_CONFIG=${DMC_CONFIG:-configs/dmc_cartpole_swingup.yaml} DMC_TIMEOUT=${DMC_TIMEOUT:-auto}
+    DMC_CALL_LIMIT=${DMC_CALL_LIMIT:-590} DMC_GRACE=${DMC_GRACE:-60} DMC_EVAL_TIMEOUT=${DMC_EVAL_TIMEOUT:-90}
+    DMC_ARGS=${DMC_ARGS:-}
+    start=$(date +%s)
+    dmc >"$OUT/dmc.log" 2>&1
+    echo "dmc: exit $? in $(( $(date +%s) - start )) s" ;;
+esac
+step machine 40 sh -c "nvidia-smi; $PY -m pip list"
 for s in $STEPS; do echo "--- $s.log"; tail -n 12 "$OUT/$s.log"; done

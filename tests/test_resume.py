@@ -83,9 +83,12 @@ def test_a_resume_between_two_rows_keeps_counting_the_episodes_column(tmp_path, 
     monkeypatch.undo()
     cfg, ckpt = load_for_resume(tmp_path / "cut" / "run")
     assert ckpt["episodes_since_row"] == 4  # 2 envs x 32 steps in episodes of 16
+    assert ckpt["updates_since_row"][1] == 0 and ckpt["updates_since_row"][0] > 0
     resumed = train(cfg, resume=ckpt)
-    counts = [[int(float(r["episodes"])) for r in csv.DictReader((d / "metrics.csv").open())] for d in (full, resumed)]
-    assert counts[0] == counts[1] == [8, 8]
+    counts = [[(int(float(r["episodes"])), int(float(r["optimizer_steps"])))
+               for r in csv.DictReader((d / "metrics.csv").open())] for d in (full, resumed)]
+    assert counts[0] == counts[1] and [episodes for episodes, _ in counts[0]] == [8, 8]
+    assert counts[0][1][1] == 2 * ckpt["updates_since_row"][0]  # iterations 3 and 4, not 4 alone
 
 
 SLOW_SAVE = textwrap.dedent("""

@@ -314,6 +314,15 @@ def test_the_episodes_column_counts_every_episode_since_the_previous_row(tmp_pat
     assert [int(float(r["episodes"])) for r in rows] == [8, 8]
 
 
+def test_the_optimizer_step_columns_count_every_step_since_the_previous_row(tmp_path):
+    """run.log_every=2: 2 epochs x 2 minibatches a rollout, 4 optimizer steps an iteration, 8 a row."""
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"run.log_every": 2, "ppo.total_steps": 256,
+                                                        "ppo.target_kl": 0}))
+    rows = list(csv.DictReader((train(cfg) / "metrics.csv").open()))
+    assert [int(r["iteration"]) for r in rows] == [2, 4]
+    assert [(int(float(r["optimizer_steps"])), int(float(r["skipped_steps"]))) for r in rows] == [(8, 0), (8, 0)]
+
+
 def test_every_periodic_evaluation_gets_a_row_whatever_log_every_is(tmp_path):
     """run.log_every=2, run.eval_every=3 over 4 iterations: rows at 2, 3 (its evaluation), 4 (the last)."""
     cfg = load_config(None, tiny_overrides(tmp_path, **{"run.log_every": 2, "run.eval_every": 3,

@@ -227,7 +227,7 @@ def rank_state(generator: torch.Generator, envs, reward_scale=None) -> dict:
 def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler | None, iteration: int, global_step: int,
                     memory_sizes: dict[str, int], ranks: list[dict], recent: list[dict],
-                    ended_since_row: int = 0, amp: str = "") -> Path:
+                    ended_since_row: int = 0, updates_since_row: tuple[int, int] = (0, 0), amp: str = "") -> Path:
     """Write ``checkpoints/latest.pt`` and ``iter_N.pt`` atomically; keep the last few numbered ones.
 
     ``ranks``: every process's :func:`rank_state` (one under a single process); rank 0's
@@ -235,7 +235,8 @@ def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimiz
     last finished episodes, whose mean the log reports, so a resumed run's logged return goes on
     over the same window rather than starting again from the episodes after the cut.
     ``ended_since_row``: the episodes finished since the last metrics row, which the next row's
-    ``episodes`` column counts (a checkpoint can fall between rows when ``run.log_every`` > 1).
+    ``episodes`` column counts (a checkpoint can fall between rows when ``run.log_every`` > 1);
+    ``updates_since_row`` likewise, the optimizer steps taken and skipped.
     ``amp``: the precision the update ran in (``train.amp`` resolved: :func:`check_same_precision`).
     """
     folder = run_dir / "checkpoints"
@@ -250,6 +251,7 @@ def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimiz
         "memory_sizes": memory_sizes,
         "recent_episodes": list(recent),  # plain floats and ints (rollout.collect): weights_only loads them
         "episodes_since_row": int(ended_since_row),
+        "updates_since_row": [int(n) for n in updates_since_row],
         "amp": amp,
     }
     if len(ranks) > 1:

@@ -125,6 +125,9 @@ class Run:
     """The last 100 finished episodes (all ranks'), for the logged means."""
     ended_since_row: int = 0
     """Episodes finished (all ranks) since the last metrics row: its ``episodes`` column."""
+    updates_since_row: tuple[int, int] = (0, 0)
+    """Optimizer steps taken and skipped (a non-finite gradient) since the last metrics row: its
+    ``optimizer_steps`` and ``skipped_steps`` columns."""
     since_row: Span = field(default_factory=Span)
     """The laps since the last metrics row, which its steps/s and ``time/*`` cover. Not checkpointed:
     after a resume the next row covers the iterations since the resume (its steps/s is still the
@@ -345,7 +348,8 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
     return Run(cfg, ctx, run_dir, device, rollout_device, precision, envs, policy, optimizer, setup,
                buffer, state, acting, first_iteration, global_step, reward_scale=reward_scale,
                recent=list(resume.get("recent_episodes", [])) if resume is not None else [],  # older: none
-               ended_since_row=int(resume.get("episodes_since_row", 0)) if resume is not None else 0)
+               ended_since_row=int(resume.get("episodes_since_row", 0)) if resume is not None else 0,
+               updates_since_row=tuple(resume.get("updates_since_row", (0, 0))) if resume is not None else (0, 0))
 
 
 def open_logs(run: Run, resuming: bool) -> None:
@@ -469,9 +473,11 @@ def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult, va
         episodes = [e for part in distributed.all_gather(episodes) for e in part]
     run.recent = (run.recent + episodes)[-100:]
     run.ended_since_row += len(episodes)
+    run.updates_since_row = (run.updates_since_row[0] + result.optimizer_steps,
+                             run.updates_since_row[1] + result.skipped_steps)
     run.since_row = run.since_row.plus(lap)
-    scalars = iteration_scalars(iteration, run.ended_since_row, run.recent, run.optimizer, result, value_fit,
-                                run.since_row)
+    scalars = iteration_scalars(iteration, run.ended_since_row, run.updates_since_row, run.recent, run.optimizer,
+                                result, value_fit, run.since_row)
     last = iteration == run.num_iterations
     evaluated = bool(run.cfg.run.eval_every) and (iteration % run.cfg.run.eval_every == 0 or last)
     if run.cfg.run.eval_every:  # the columns exist from the first row: the CSV header is fixed then
@@ -483,7 +489,7 @@ def log(run: Run, iteration: int, episodes: list[dict], result: UpdateResult, va
         if iteration % run.cfg.run.log_every == 0 or last or evaluated:  # an evaluation always gets its row
             scalars.update(health_scalars(run))
             run.logger.log(run.global_step, scalars)
-            run.ended_since_row, run.since_row = 0, Span()
+            run.ended_since_row, run.updates_since_row, run.since_row = 0, (0, 0), Span()
         run.logger.progress(run.global_rollout, progress_line(scalars, lap))
     if run.profiler is not None:
         run.profiler.step()  # one profiler step per iteration
@@ -541,7 +547,7 @@ def save_checkpoint(run: Run, iteration: int) -> None:
         sizes = {"micro": run.setup.sizes.micro, "chunk": run.setup.sizes.chunk}
         ckpt_io.save_checkpoint(run.dir, run.cfg, run.policy, run.optimizer, run.setup.precision.scaler,
                                 iteration, run.global_step, sizes, ranks, run.recent, run.ended_since_row,
-                                run.precision.update.name)
+                                run.updates_since_row, run.precision.update.name)
 
 
 def stop_if_signalled(run: Run, iteration: int) -> None:
@@ -573,11 +579,12 @@ def periodic_eval(policy: ActorCritic, cfg: Config, run_dir: Path, iteration: in
             "eval/success": float("nan") if success is None else success}
 
 
-def iteration_scalars(iteration: int, ended: int, recent: list[dict],
+def iteration_scalars(iteration: int, ended: int, updates: tuple[int, int], recent: list[dict],
                       optimizer: torch.optim.Optimizer, result: UpdateResult, value_fit: float,
                       span: Span) -> dict[str, float]:
-    """One row of metrics.csv: episode stats over the last 100 episodes, the ``ended`` episodes since
-    the previous row, losses, the steps/s and phase times of ``span``, the laps since the previous row
+    """One row of metrics.csv: episode stats over the last 100 episodes, the ``ended`` episodes and
+    the ``updates`` (optimizer steps taken, skipped) since the previous row, the last update's
+    losses, the steps/s and phase times of ``span``, the laps since the previous row
     (``time/log`` holds the eval, logging and checkpoint of the iteration before each: 0 in the
     first row)."""
     seconds = {**span.seconds, "log": span.seconds.get("log", 0.0)}
@@ -588,8 +595,8 @@ def iteration_scalars(iteration: int, ended: int, recent: list[dict],
         "episodes": ended,
         "lr": optimizer.param_groups[0]["lr"],
         "steps_per_second": span.steps_per_second,
-        "optimizer_steps": result.optimizer_steps,
-        "skipped_steps": result.skipped_steps,
+        "optimizer_steps": updates[0],
+        "skipped_steps": updates[1],
         **{f"loss/{k}": v for k, v in result.losses().items()},
         "value/explained_variance": value_fit,
         **{f"time/{k}": v for k, v in seconds.items()},

@@ -79,6 +79,42 @@ class Disconnects(DotReachEnv):
         return super().step(action)
 
 
+KILLED_RUN = """
+import os, signal, sys
+import visppo, visppo.checkpoint as ck
+from visppo_envs.dot import DotReachEnv
+real = ck.save_checkpoint
+def save_then_die(*args, **kwargs):  # a SIGKILL right after the first checkpoint: no handler runs
+    real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+ck.save_checkpoint = save_then_die
+visppo.train(None, env=DotReachEnv, **eval(sys.argv[1]))
+"""
+
+
+def test_a_code_env_run_killed_without_warning_still_loads_anywhere(tmp_path):
+    """policy.json is written as the run starts, not as it ends: a SIGKILL runs no handler."""
+    kwargs = tiny_kwargs(tmp_path, env__max_episode_steps=50, env__vector="sync", run__checkpoint_every=1,
+                         ppo__num_epochs=1)
+    del kwargs["env__id"]
+    res = subprocess.run([sys.executable, "-c", KILLED_RUN, repr(kwargs)], capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    assert res.returncode == -9, res.stderr[-2000:]
+    run_dir = tmp_path / "run"
+    assert (run_dir / "checkpoints" / "latest.pt").is_file() and (run_dir / "policy.json").is_file()
+    assert visppo.load_policy(run_dir) is not None  # no env made: this process never knew it
+
+
+def test_a_code_env_run_that_fails_before_its_first_row_leaves_nothing(tmp_path):
+    """As any new run: nothing to resume, so config.yaml, policy.json and the folder go."""
+    kwargs = tiny_kwargs(tmp_path, env__max_episode_steps=50, env__vector="sync")
+    del kwargs["env__id"]
+    Disconnects.steps = 95  # the env check's step passes; the first rollout's fifth does not
+    with pytest.raises(visppo.errors.EnvError, match="robot disconnected"):
+        visppo.train(None, env=Disconnects, **kwargs)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_code_env_run_that_fails_loads_anywhere_and_resumes_with_its_env(tmp_path, monkeypatch):
     """The run's checkpoints stay usable: policy.json is written though the run failed, the error
     says to resume with the Python call (the command line cannot build the env), and that call goes on."""

@@ -20,7 +20,6 @@ step in this process.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -29,7 +28,6 @@ from typing import Any
 import gymnasium as gym
 
 from visppo.config import CODE_PREFIX, Config, build_config, names_a_file, read_config_file, to_dict
-from visppo.deploy import write_spec
 from visppo.envs import register_code_env
 from visppo.errors import ConfigError
 
@@ -47,7 +45,6 @@ def train(config: str | os.PathLike | Mapping | Config | None = None, *,
     in code needs that env again (``env=``), since no other process can build it.
     Bad input raises :class:`visppo.config.ConfigError` before anything is written.
     """
-    from visppo.loop import default_run_dir
     from visppo.loop import train as run_loop
 
     ckpt = None
@@ -55,18 +52,7 @@ def train(config: str | os.PathLike | Mapping | Config | None = None, *,
         cfg, ckpt = resume_config(resume, overrides, env)
     else:
         cfg = make_config(config, overrides, env)
-        if env is not None and not cfg.run.dir:
-            cfg.run.dir = str(default_run_dir(cfg))  # known now: policy.json goes there even if it fails
-    try:
-        run_dir = run_loop(cfg, resume=ckpt)
-    except BaseException:  # stopped or failed: a run with checkpoints must still load without the env
-        if env is not None and (Path(cfg.run.dir) / "checkpoints").is_dir():
-            with contextlib.suppress(OSError):  # a full disk: the error on its way out says so
-                write_spec(Path(cfg.run.dir), cfg)
-        raise
-    if env is not None:
-        write_spec(run_dir, cfg)
-    return run_dir
+    return run_loop(cfg, resume=ckpt)  # a run on an env built in code writes policy.json as it starts
 
 
 def resume_config(run: str | os.PathLike, overrides: Mapping[str, Any],

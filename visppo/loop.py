@@ -38,7 +38,8 @@ from visppo.builders import (
     resolve_device,
     seed_everything,
 )
-from visppo.config import Config, to_yaml
+from visppo.config import CODE_PREFIX, Config, to_yaml
+from visppo.deploy import SPEC_FILE, write_spec
 from visppo.encoders import FreezeSchedule
 from visppo.env_check import check_env
 from visppo.envs import check_env_id, close_vector_env, make_env, make_vector_env, preload_before_gl
@@ -257,13 +258,13 @@ def has_checkpoint(run_dir: Path) -> bool:
 @contextmanager
 def forget_if_unstarted(run_dir: Path, created: bool) -> Iterator[None]:
     """A new run that ends (an error, a signal) before it logged a row or wrote a checkpoint leaves
-    nothing behind: its config.yaml and lock file go (and the directory, if the run made it), so
+    nothing behind: its config.yaml, policy.json and lock file go (and the directory, if the run made it), so
     the same run.dir starts afresh rather than asking for a resume that has nothing to resume."""
     try:
         yield
     except BaseException:
         if not (run_dir / "metrics.csv").exists() and not (run_dir / "checkpoints").exists():
-            for name in ("config.yaml", ckpt_io.LOCK_FILE):
+            for name in ("config.yaml", SPEC_FILE, ckpt_io.LOCK_FILE):
                 (run_dir / name).unlink(missing_ok=True)
             if created:
                 with suppress(OSError):  # not empty: the user's files stay
@@ -354,11 +355,15 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
 
 def open_logs(run: Run, resuming: bool) -> None:
     """Rank 0: create the run directory (only now: bad input leaves nothing behind), write the
-    resolved config, open the logger and say where the run lives."""
+    resolved config (and, for an env built in code, which no other process can make, policy.json:
+    the run's checkpoints then load anywhere, whatever ends the run, a SIGKILL too), open the
+    logger and say where the run lives."""
     cfg, sizes = run.cfg, run.setup.sizes
     run.dir.mkdir(parents=True, exist_ok=True)
     if not resuming:
         atomic_write_text(run.dir / "config.yaml", to_yaml(cfg))
+        if cfg.env.id.startswith(CODE_PREFIX):
+            write_spec(run.dir, cfg)
     run.logger = Logger(run.dir, run.num_iterations * run.global_rollout, initial_step=run.global_step,
                         tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
                         tracker=open_tracker(cfg, run.dir, resuming))

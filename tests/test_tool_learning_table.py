@@ -376,6 +376,10 @@ def test_table_refuses_folders_that_are_not_run_folders(tmp_path, capsys):
     (run / "config.yaml").unlink()
     code, _, err = table(capsys, tmp_path / "t")
     assert code == 2 and one_error_line(err, "seed1 has metrics.csv but no config.yaml")
+    for variant in ("a", "b"):  # two variants in folders of one name would merge into one
+        fake_run(tmp_path / variant / "runs" / "reach" / "seed1", "visppo/Reach-v0", 2000, [(2000, 3.0, 0.5)])
+    code, _, err = table(capsys, tmp_path / "a" / "runs", tmp_path / "b" / "runs")
+    assert code == 2 and one_error_line(err, "two folders are named runs", "rename")
     fake_run(tmp_path / "u" / "reach" / "seed1", "visppo/Reach-v0", 2000, [(2000, 3.0, 0.5)])
     (tmp_path / "u" / "reach" / "seed1" / "final_eval.json").write_text("{not json")
     code, _, err = table(capsys, tmp_path / "u")

@@ -339,6 +339,11 @@ def check_folders(outs: list[Path]) -> None:
     for out in outs:
         if not out.is_dir():
             raise UsageError(f"{out} is not a folder")
+    names = [out.name for out in outs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # the table names each variant by its folder: two would merge into one
+        raise UsageError(f"two folders are named {twice[0]} ({', '.join(str(o) for o in outs if o.name == twice[0])}): "
+                         "the table names each variant by its folder's name; rename or link one")
     found = groups(outs)
     for out in outs:
         if not any(run.parent.parent == out for _, _, runs in found for run in runs):
@@ -357,16 +362,19 @@ def check_folders(outs: list[Path]) -> None:
                     raise UsageError(f"{final} is not a visppo eval --json file ({exc!r})") from None
 
 
+def look_of(env_id: str, kwargs: dict | None) -> str | None:
+    """The look an env drew its frames with: env.kwargs.look; a suite task without one drew the
+    suite's own look (the wrapper's default), any other env has none (None)."""
+    return (kwargs or {}).get("look") or ("published" if env_id.startswith("dmc:") else None)
+
+
 def run_env(run_dir: Path) -> tuple[str, str | None, int]:
-    """(env.id, look, ppo.total_steps) of a run, from its config.yaml. The look is
-    env.kwargs.look; a suite task without one drew the suite's own look (the wrapper's default),
-    any other env has none (None)."""
+    """(env.id, look, ppo.total_steps) of a run, from its config.yaml."""
     import yaml
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     env = cfg["env"]
-    look = (env.get("kwargs") or {}).get("look") or ("published" if env["id"].startswith("dmc:") else None)
-    return env["id"], look, int(cfg["ppo"]["total_steps"])
+    return env["id"], look_of(env["id"], env.get("kwargs")), int(cfg["ppo"]["total_steps"])
 
 
 def label(config: str, variant: str) -> str:
@@ -705,7 +713,7 @@ def cmd_run(ns: argparse.Namespace, rest: list[str]) -> int:
             cfg = load_config(config, overrides)
         except UserError as exc:
             raise UsageError(str(exc)) from None
-        look = cfg.env.kwargs.get("look") or "published"
+        look = look_of(cfg.env.id, cfg.env.kwargs)
         if cfg.env.id.startswith("dmc:") and tasks.setdefault((cfg.env.id, look), config) != config:
             # before hours of training, not when the table is made (check_one_config_per_task)
             raise UsageError(f"{tasks[(cfg.env.id, look)]} and {config} train the same DMC task ({cfg.env.id}, "

@@ -28,8 +28,8 @@
 #               rewrites its JSON after every row, so a cut-short run keeps the headline and whole
 #               pairs; a failing child is recorded as a failed row and the next runs; PROBE_ARGS
 #               replaces --cap); with --traces, every uncapped row's allocator actions, packed at the
-#               step's end into $OUT/alloc_traces.tar (what a model of the caching allocator is
-#               checked against on a machine without a GPU)
+#               step's end into $OUT/alloc_traces.tar (what tools/alloc_model.py, a model of the
+#               caching allocator, is checked against on a machine without a GPU)
 #   expandable  (only when STEPS names it) the fp32 grid again, uncapped and capped, under
 #               PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, into
 #               $OUT/probe_validation_cuda_expandable.json: whether that allocator's reserve follows

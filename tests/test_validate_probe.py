@@ -166,8 +166,18 @@ def test_the_capped_pass_repeats_each_row_at_its_estimate_plus_the_slack():
     measured = [{**ROW, "real_mode": True, "estimated_bytes": 1000, "measured_bytes": 990, "error": 0.01,
                  "device_used": 5, "breakdown": {}}]
     [capped] = vp.capped_rows(measured)
-    assert capped == {**ROW, "real_mode": True, "cap_bytes": 1020}
+    assert capped == {**ROW, "real_mode": True, "cap_bytes": 1020, "estimated_bytes": 1000, "breakdown": {}}
     assert vp.CAP_SLACK == -vp.LIMITS[0]  # the cap allows exactly the most a row may be under
+
+
+def test_a_capped_row_reuses_its_uncapped_rows_estimate(monkeypatch):
+    """The same config and size give the same estimate: the capped child does not compute it again."""
+    monkeypatch.setattr(vp, "estimate", lambda *a: pytest.fail("estimated again"))
+    monkeypatch.setattr(vp, "measure_cuda", lambda cfg, kind, size, cap, trace: {"measured_bytes": 990, "oom": []})
+    [capped] = vp.capped_rows([{**ROW, "estimated_bytes": 1000, "breakdown": {"activations": 10}}])
+    out = vp.run_row(capped, "cuda")
+    assert (out["estimated_bytes"], out["breakdown"], out["cap_bytes"]) == (1000, {"activations": 10}, 1020)
+    assert out["error"] == pytest.approx(10 / 990)
 
 
 @pytest.mark.parametrize("row, problem", [

@@ -248,8 +248,9 @@ def cap_allocator(device: torch.device, cap_bytes: int) -> int:
 
 def capped_rows(results: list[dict], slack: float = CAP_SLACK) -> list[dict]:
     """The capped pass of a measured grid: each row again, its allocator capped at the estimate
-    (which counts the context) plus ``slack``."""
-    keys = ("encoder", "image", "amp", "kind", "size", "real_mode")
+    (which counts the context) plus ``slack``. The estimate goes with it: the same config and size
+    give the same one, so the capped child does not compute it again (a GPU session's minutes)."""
+    keys = ("encoder", "image", "amp", "kind", "size", "real_mode", "estimated_bytes", "breakdown")
     return [{**{k: r[k] for k in keys if k in r}, "cap_bytes": int(r["estimated_bytes"] * (1 + slack))}
             for r in results]
 
@@ -477,7 +478,8 @@ def run_row(row: dict, device: str) -> dict:
            "minibatch": minibatch, "rollout": rollout}
     if device == "cuda":  # first, in a process that has not touched CUDA: the estimate measures the context
         out.update(measure_cuda(cfg, row["kind"], row["size"], row.get("cap_bytes"), row.get("trace")))
-    out.update(estimate(cfg, row["kind"], row["size"], device, "fake"))
+    if "estimated_bytes" not in row:  # a capped row carries its uncapped row's
+        out.update(estimate(cfg, row["kind"], row["size"], device, "fake"))
     if device == "cpu":
         if row.get("real_mode", True):  # the probe's real mode too (same meters on real tensors)
             out["estimated_real_mode_bytes"] = estimate(cfg, row["kind"], row["size"], "cpu", "real")["estimated_bytes"]

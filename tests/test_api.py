@@ -103,6 +103,9 @@ def test_a_code_env_run_killed_without_warning_still_loads_anywhere(tmp_path):
     run_dir = tmp_path / "run"
     assert (run_dir / "checkpoints" / "latest.pt").is_file() and (run_dir / "policy.json").is_file()
     assert visppo.load_policy(run_dir) is not None  # no env made: this process never knew it
+    (run_dir / "policy.json").unlink()  # as a run killed before policy.json was written at the start
+    visppo.train(resume=run_dir, env=DotReachEnv, ppo__total_steps=192)
+    assert (run_dir / "policy.json").is_file()
 
 
 def test_a_code_env_run_that_fails_before_its_first_row_leaves_nothing(tmp_path):

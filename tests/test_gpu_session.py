@@ -138,7 +138,7 @@ def fake_session(tmp_path: Path, steps: str, **env) -> tuple[subprocess.Complete
     fake.write_text(FAKE_PYTHON.format(python=sys.executable))
     fake.chmod(0o755)
     out, scratch = tmp_path / "out", tmp_path / "scratch"
-    scratch.mkdir()
+    scratch.mkdir(exist_ok=True)
     log = tmp_path / "calls.jsonl"
     full_env = {**os.environ, "PYTHON": str(fake), "OUT": str(out), "STEPS": steps, "TMPDIR": str(scratch),
                 "FAKE_LOG": str(log), **env}
@@ -205,6 +205,18 @@ def test_each_call_brings_back_at_most_eight_shallow_files(tmp_path, steps, file
         assert [a for a in tests if a.startswith("tests/")] == ["tests/test_ppo.py", "tests/test_validate_probe.py"]
 
 
+def test_a_probe_call_packs_its_own_traces_only(tmp_path):
+    stale = tmp_path / "scratch" / "alloc_traces"
+    stale.mkdir(parents=True)
+    (stale / "an_earlier_call.json.gz").write_bytes(b"gz")  # a warm machine's earlier call
+    res, out, _ = fake_session(tmp_path, "probe")
+    assert res.returncode == 0, res.stderr
+    with tarfile.open(out / "alloc_traces.tar") as tar:
+        assert sorted(Path(n).name for n in tar.getnames() if n.endswith(".gz")) == \
+            ["nature_84_off_micro_batch_64.json.gz"]
+    assert not list(out.glob("*.part"))
+
+
 def test_without_dmc_in_steps_neither_dm_control_is_required_nor_the_step_run(tmp_path):
     res, out, calls = fake_session(tmp_path, "cudatests")
     assert res.returncode == 0, res.stderr
@@ -214,10 +226,10 @@ def test_without_dmc_in_steps_neither_dm_control_is_required_nor_the_step_run(tm
 
 
 def test_by_default_the_dmc_training_gets_what_the_call_has_left(tmp_path):
-    """DMC_TIMEOUT=auto: DMC_CALL_LIMIT less the time spent, DMC_GRACE, DMC_EVAL_TIMEOUT and 60 s."""
-    res, out, calls = fake_session(tmp_path, "dmc", DMC_CALL_LIMIT="85", DMC_GRACE="2", DMC_EVAL_TIMEOUT="5")
+    """DMC_TIMEOUT=auto: DMC_CALL_LIMIT less the time spent, DMC_GRACE, DMC_EVAL_TIMEOUT and 90 s."""
+    res, out, calls = fake_session(tmp_path, "dmc", DMC_CALL_LIMIT="115", DMC_GRACE="2", DMC_EVAL_TIMEOUT="5")
     assert res.returncode == 0 and "dmc: exit 0" in res.stdout, (res.stdout, res.stderr)
     log = (out / "dmc.log").read_text()
     limit = int(re.search(r"for (\d+) s, then SIGTERM", log).group(1))
-    assert 85 - 2 - 5 - 60 - 6 <= limit <= 85 - 2 - 5 - 60, log  # the setup here takes a second or two
+    assert 115 - 2 - 5 - 90 - 6 <= limit <= 115 - 2 - 5 - 90, log  # the setup here takes a second or two
     assert (tmp_path / "calls.jsonl.terms").read_text() == "1"

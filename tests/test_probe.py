@@ -389,7 +389,9 @@ def test_real_mode_on_a_gpu_caps_the_allocator_of_an_indexed_device(monkeypatch)
     caps, contexts = [], []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(probe_mod, "cuda_context_bytes", lambda device: contexts.append(device) or (2**30, "stub"))
+    # measuring the context builds layers: it draws from the RNG, which the probe must leave as it was
+    monkeypatch.setattr(probe_mod, "cuda_context_bytes",
+                        lambda device: contexts.append(device) or torch.randn(1) and (2**30, "stub"))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=80 * 2**30))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda fraction, device=None: caps.append((fraction, _get_device_index(device))))
@@ -404,9 +406,11 @@ def test_real_mode_on_a_gpu_caps_the_allocator_of_an_indexed_device(monkeypatch)
         raise ModelBuilt
 
     monkeypatch.setattr(probe_mod, "Prober", stop)
+    rng = torch.random.get_rng_state()
     with pytest.raises(ModelBuilt):
         probe(load_config(None, tiny_overrides()), "8GiB", "cuda", mode="real")
     assert caps == [(7 / 80, 3)] and kept == [3] and contexts == [torch.device("cuda", 3)]
+    assert torch.equal(torch.random.get_rng_state(), rng)
     probe_mod.emulate_smaller_card(8 * 2**30, torch.device("cuda", 1))  # an index given is kept
     probe_mod.emulate_smaller_card(80 * 2**30, torch.device("cuda"))  # the whole card: no cap
     assert caps == [(7 / 80, 3), (7 / 80, 1)]

@@ -50,9 +50,9 @@
 #               checkpoint, 10 deterministic episodes on the same look (DMC_EVAL_TIMEOUT, 90 s).
 #               DMC_TIMEOUT (auto) is by default what is left of DMC_CALL_LIMIT (590 s from the
 #               call's start) once the steps before it ran and the worst case of what follows is set
-#               aside (DMC_GRACE + DMC_EVAL_TIMEOUT + 60 s: the evaluation's kill and the snapshots,
-#               seconds when nothing hangs), at least 10 s: about 330 s of training in a call of its
-#               own, which then ends within its 10 minutes. It leaves
+#               aside (DMC_GRACE + DMC_EVAL_TIMEOUT + 90 s: the evaluation's kill, the machine step
+#               and the packing, seconds when nothing hangs), at least 10 s: about 300 s of training
+#               in a call of its own, which then ends within its 10 minutes. It leaves
 #               dmc.log (the commands' output, the eval JSON, the metrics' last rows) and
 #               dmc_run.tar.gz (metrics.csv, config.yaml, then eval.json) in $OUT. DMC_ARGS adds
 #               training overrides. Best a call of its own, the session's (15 minutes of device
@@ -181,6 +181,19 @@ step() {  # step NAME SECONDS COMMAND...: its log in $OUT/NAME.log, its exit cod
     echo "$name: exit $rc$([ $rc = 124 ] && echo " (cut at ${limit} s)") in $(( $(date +%s) - start )) s"
 }
 
+pack() {  # pack ARCHIVE TAR_FLAGS FOLDER: FOLDER's files into ARCHIVE, whole or not at all, under 16 MiB
+    local archive=$1 flags=$2 folder=$3 size
+    if [ ! -d "$folder" ]; then echo "$(basename "$archive"): no $folder, nothing packed"; return 1; fi
+    tar "$flags" "$archive.part" -C "$folder" . || return 1
+    size=$(stat -c %s "$archive.part")
+    if [ "$size" -gt $(( 15 * 2**20 )) ]; then  # the device tool brings back no file over 16 MiB
+        rm -f "$archive.part"
+        echo "$(basename "$archive"): $(( size >> 20 )) MiB, over what comes back: not packed"
+        return 1
+    fi
+    mv "$archive.part" "$archive" && echo "$(basename "$archive"): $(( size >> 10 )) KiB"
+}
+
 dmc() {  # issue 58 step 3: the one DMC recipe on the suite's own look, stopped, then evaluated
     local run=${TMPDIR:-/tmp}/gpu_session_dmc keep=${TMPDIR:-/tmp}/gpu_session_dmc_keep rc erc=none
     rm -rf "$run" "$keep"
@@ -190,7 +203,7 @@ dmc() {  # issue 58 step 3: the one DMC recipe on the suite's own look, stopped,
 o, _ = e.reset(seed=0); print('dm_control', dm_control.__file__, 'frame', o.shape, o.dtype, 'mean %.1f' % o.mean()); e.close()"
     local limit=$DMC_TIMEOUT
     if [ "$limit" = auto ]; then  # the rest of the call, the worst case of what follows set aside
-        limit=$(( DMC_CALL_LIMIT - ($(date +%s) - CALL_START) - DMC_GRACE - DMC_EVAL_TIMEOUT - 60 ))
+        limit=$(( DMC_CALL_LIMIT - ($(date +%s) - CALL_START) - DMC_GRACE - DMC_EVAL_TIMEOUT - 90 ))
         [ "$limit" -ge 10 ] || limit=10
     fi
     echo "== train $DMC_CONFIG for $limit s, then SIGTERM"
@@ -204,7 +217,7 @@ o, _ = e.reset(seed=0); print('dm_control', dm_control.__file__, 'frame', o.shap
     for f in metrics.csv config.yaml; do  # packed now, and again with eval.json: a cut call keeps them
         if [ -f "$run/$f" ]; then cp "$run/$f" "$keep/"; fi
     done
-    tar -czf "$OUT/dmc_run.tar.gz" -C "$keep" .
+    pack "$OUT/dmc_run.tar.gz" -czf "$keep"
     if [ -f "$run/checkpoints/latest.pt" ]; then
         echo "== eval $run: 10 deterministic episodes on the suite's look"
         timeout -k 10 "$DMC_EVAL_TIMEOUT" $PY -m visppo eval "$run" --episodes 10 --deterministic \
@@ -214,7 +227,7 @@ o, _ = e.reset(seed=0); print('dm_control', dm_control.__file__, 'frame', o.shap
     else
         echo "no $run/checkpoints/latest.pt: nothing to evaluate"
     fi
-    tar -czf "$OUT/dmc_run.tar.gz" -C "$keep" .
+    pack "$OUT/dmc_run.tar.gz" -czf "$keep"
     echo "== dmc_run.tar.gz: $(cd "$keep" && echo *)"
     if [ -f "$keep/eval.json" ]; then cat "$keep/eval.json"; echo; fi
     if [ -f "$keep/metrics.csv" ]; then head -n 1 "$keep/metrics.csv"; tail -n 3 "$keep/metrics.csv"; fi
@@ -229,9 +242,11 @@ echo "setup: done in $(( $(date +%s) - start )) s (see setup.log)"
 tail -n 4 "$OUT/setup.log"
 case " $STEPS " in *" probe "*)
     # shellcheck disable=SC2086
+    traces=${TMPDIR:-/tmp}/alloc_traces
+    rm -rf "$traces"  # a warm machine's earlier call must not add its traces to this call's
     step probe "${PROBE_TIMEOUT:-240}" $PY tools/validate_probe.py --device cuda ${PROBE_ARGS:---cap} \
-        --traces "${TMPDIR:-/tmp}/alloc_traces" --json "$OUT/probe_validation_cuda.json"
-    tar -cf "$OUT/alloc_traces.tar" -C "${TMPDIR:-/tmp}" alloc_traces && echo "alloc_traces.tar: $(du -h "$OUT/alloc_traces.tar" | cut -f 1)" ;;
+        --traces "$traces" --json "$OUT/probe_validation_cuda.json"
+    pack "$OUT/alloc_traces.tar" -cf "$traces" ;;
 esac
 case " $STEPS " in *" expandable "*)
     step expandable "${EXPANDABLE_TIMEOUT:-240}" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \

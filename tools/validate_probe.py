@@ -328,7 +328,7 @@ def measure_cuda(cfg, kind: str, size: int, cap_bytes: int | None = None, trace:
     device = torch.device("cuda", torch.cuda.current_device())
     capped_phase = "score" if kind == "infer_chunk" else "build"
     work = _workload(cfg, device, kind, size, _cuda_phases(device, cap_bytes, capped_phase, marks))
-    next(work)  # the host buffer; CUDA is initialised by the workload itself
+    next(work)  # the host buffer (CUDA is initialised by the workload, or by the recording when traced)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

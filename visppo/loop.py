@@ -362,8 +362,8 @@ def open_logs(run: Run, resuming: bool) -> None:
     run.dir.mkdir(parents=True, exist_ok=True)
     if not resuming:
         atomic_write_text(run.dir / "config.yaml", to_yaml(cfg))
-        if cfg.env.id.startswith(CODE_PREFIX):
-            write_spec(run.dir, cfg)
+    if cfg.env.id.startswith(CODE_PREFIX) and not (resuming and (run.dir / SPEC_FILE).is_file()):
+        write_spec(run.dir, cfg)  # a resume too, of a run whose policy.json was never written
     run.logger = Logger(run.dir, run.num_iterations * run.global_rollout, initial_step=run.global_step,
                         tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
                         tracker=open_tracker(cfg, run.dir, resuming))

@@ -526,12 +526,13 @@ def probe(cfg: Config, budget: str | int, device: str = "cuda", mode: str | None
         raise ConfigError(f"--mode real needs the device {device}, which is absent here: use --mode fake")
     if margin is not None and not 0 <= margin < 1:
         raise ConfigError(f"--margin must be in [0, 1), got {margin}")
-    if mode == "real" and target.type == "cuda":
-        emulate_smaller_card(budget_bytes, target)
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    # the probe builds a policy of its own and draws inputs: a run that asks it for its sizes after
-    # seeding must go on from the RNG states it had, or `auto` would change what the run learns
+    # the probe builds a policy of its own and draws inputs (and measuring the CUDA context builds
+    # layers): a run that asks it for its sizes after seeding must go on from the RNG states it
+    # had, or `auto` would change what the run learns
     with torch.random.fork_rng(devices=_gpus_to_keep(target, present)):
+        if mode == "real" and target.type == "cuda":
+            emulate_smaller_card(budget_bytes, target)
         return _probe(cfg, budget_bytes, target, mode, margin, world_size)
 
 

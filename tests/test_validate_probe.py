@@ -72,6 +72,17 @@ def test_one_row_prints_its_measurement_as_json(capsys):
     assert len(vp.plan(vp.FULL_GRID, vp.AMPS)) >= 8 and len(vp.plan(vp.CUDA_GRID, vp.AMPS)) >= 8
 
 
+def test_the_grid_is_planned_breadth_first():
+    """A GPU session's time limit cuts the grid: every kind of row comes before a second size of any."""
+    rows = vp.plan(vp.CUDA_GRID, vp.AMPS)
+    kinds = [(r["encoder"], r["image"], r["amp"], r["kind"]) for r in rows]
+    first_repeat = next(i for i, k in enumerate(kinds) if k in kinds[:i])
+    assert set(kinds[:first_repeat]) == set(kinds)
+    assert sorted(map(str, rows)) == sorted(map(str, (
+        dict(encoder=e, image=i, amp=a, kind=k, size=n) for e, i, micros, chunks in vp.CUDA_GRID for a in vp.AMPS
+        for k, sizes in (("micro_batch", micros), ("infer_chunk", chunks)) for n in sizes)))  # every row, once
+
+
 def test_the_grid_measures_each_row_in_a_fresh_process():
     """run_grid starts this script with --one per row (no allocator cache carries over): the
     subprocess is what is tested here."""

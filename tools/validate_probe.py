@@ -118,14 +118,16 @@ def overrides(encoder: str, image: int, amp: str, minibatch: int, rollout: int, 
 
 
 def plan(grid, amps) -> list[dict]:
+    """The grid's rows breadth first: one size of every (encoder, image, precision, kind) before a
+    second size of any, so that a run cut short by a time limit (a GPU session's) has measured
+    every kind of row rather than all sizes of the first few."""
     rows = []
     for encoder, image, micros, chunks in grid:
         for amp in amps:
-            for size in micros:
-                rows.append(dict(encoder=encoder, image=image, amp=amp, kind="micro_batch", size=size))
-            for size in chunks:
-                rows.append(dict(encoder=encoder, image=image, amp=amp, kind="infer_chunk", size=size))
-    return rows
+            for kind, sizes in (("micro_batch", micros), ("infer_chunk", chunks)):
+                rows += [(i, dict(encoder=encoder, image=image, amp=amp, kind=kind, size=size))
+                         for i, size in enumerate(sizes)]
+    return [row for _, row in sorted(rows, key=lambda r: r[0])]  # stable: the grid's order within a round
 
 
 def sizes_of(row: dict) -> tuple[int, int]:

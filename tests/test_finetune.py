@@ -156,6 +156,24 @@ def test_imagenet_weights_come_from_the_local_cache_only(tmp_path, monkeypatch):
         assert torch.equal(value, net.state_dict()[key]), key
 
 
+def test_weights_saved_before_batchnorm_counted_its_steps_load(tmp_path, monkeypatch):
+    """torchvision's ResNet-18/34 ImageNet files predate ``num_batches_tracked``: they load all the same."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    torch.manual_seed(4)
+    net = torchvision.models.resnet18(weights=None)
+    old = {k: v for k, v in net.state_dict().items() if not k.endswith("num_batches_tracked")}
+    path = tmp_path / "torch_home" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
+    path.parent.mkdir(parents=True)
+    torch.save(old, path)
+    policy = build_policy(_cfg(encoder="resnet18", encoder_weights="imagenet"), _space(), BOX, CPU)
+    loaded = policy.encoder.pixels.net.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in old.items() if not k.startswith("fc."))
+    del old["conv1.weight"]  # anything else missing is still refused
+    torch.save(old, path)
+    with pytest.raises(ConfigError, match="missing keys: conv1.weight"):
+        build_policy(_cfg(encoder="resnet18", encoder_weights="imagenet"), _space(), BOX, CPU)
+
+
 @pytest.mark.parametrize("overrides,key", [
     (["model.encoder=nature", "model.encoder_weights=imagenet"], "model.encoder_weights"),
     (["model.encoder=vgg11"], "model.encoder"),

@@ -448,7 +448,12 @@ def imagenet_weights_file(name: str) -> tuple[Path, str]:
 
 
 def _load_strict(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    mismatch = describe_mismatch(module.state_dict(), state)
+    """Load ``state`` exactly, but for BatchNorm's step counters: files saved before torch had
+    them (torchvision's ResNet-18/34 ImageNet weights) lack ``*.num_batches_tracked``, which
+    torch's own loader fills in; so does this, from the module (they steer no computation here)."""
+    own = module.state_dict()
+    state = {**{k: v for k, v in own.items() if k.endswith(".num_batches_tracked") and k not in state}, **state}
+    mismatch = describe_mismatch(own, state)
     if mismatch:
         raise ConfigError(f"model.encoder_weights: {source} does not fit this encoder ({mismatch}): "
                           "give weights of the same architecture (model.encoder) and input shape")

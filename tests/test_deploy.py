@@ -88,6 +88,40 @@ def test_a_bad_observation_is_one_clear_error(dot_run, observation, match):
         load_policy(dot_run).act(observation)
 
 
+@pytest.fixture(scope="module")
+def state_policy(tmp_path_factory):
+    """A tiny DotReach run that reads a state vector beside the frames, loaded."""
+    run = visppo.train(None, **tiny_kwargs(tmp_path_factory.mktemp("deploy_state"), env__state=True,
+                                           ppo__total_steps=64, ppo__num_epochs=1))
+    return load_policy(run)
+
+
+def test_a_state_with_nan_or_infinity_is_refused_not_turned_into_an_action(state_policy):
+    frame = np.zeros((48, 48, 3), np.uint8)
+    dim = state_policy.spec.state_dim
+    assert state_policy.act({"pixels": frame, "state": np.zeros(dim)}).shape == (2,)
+    for bad in (np.nan, np.inf):
+        state = np.zeros(dim)
+        state[1] = bad
+        state_policy.reset()
+        with pytest.raises(UserError, match="NaN or infinite"):
+            state_policy.act({"pixels": frame, "state": state})
+        with pytest.raises(UserError, match="NaN or infinite"):
+            state_policy.act_stacked(np.zeros((1, 3, 48, 48), np.uint8), state[None])
+
+
+@pytest.mark.parametrize("pixels, state, match", [
+    (np.zeros((1, 6, 48, 48), np.float32), None, "uint8"),  # 0..255 floats would read as [0, 1]
+    (np.zeros((1, 48, 48, 6), np.uint8), None, r"\[N, 6, 48, 48\]"),  # HxWxC
+    (np.zeros((6, 48, 48), np.uint8), None, r"\[N, 6, 48, 48\]"),  # no batch axis
+])
+def test_act_stacked_refuses_what_is_not_stacked_as_the_wrappers_stack(dot_run, pixels, state, match):
+    policy = load_policy(dot_run)
+    assert policy.act_stacked(np.zeros((2, 6, 48, 48), np.uint8)).shape == (2, 2)
+    with pytest.raises(UserError, match=match):
+        policy.act_stacked(pixels, state)
+
+
 def test_what_is_not_a_policy_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="not found"):
         load_policy(tmp_path / "nothing")

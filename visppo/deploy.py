@@ -172,11 +172,21 @@ class Policy:
                     deterministic: bool = True) -> np.ndarray:
         """Actions of a batch of observations already packed as the env wrappers pack them:
         ``pixels`` uint8 [N, channels * frame_stack, image_size, image_size], ``state`` [N, state_dim]."""
-        batch = {"pixels": torch.as_tensor(np.asarray(pixels))}
-        if self.spec.state_dim:
+        pixels = np.asarray(pixels)
+        spec = self.spec
+        shape = (spec.channels * spec.frame_stack, spec.image_size, spec.image_size)
+        if pixels.dtype != np.uint8 or pixels.ndim != 4 or pixels.shape[1:] != shape:
+            raise UserError(f"pixels of dtype {pixels.dtype} and shape {pixels.shape}: act_stacked takes uint8 "
+                            f"[N, {', '.join(map(str, shape))}] (frames stacked as the env wrappers stack them); "
+                            "act takes one frame as the camera gives it")
+        batch = {"pixels": torch.as_tensor(pixels)}
+        if spec.state_dim:
             if state is None:
-                raise UserError(f"this policy also reads a state vector of {self.spec.state_dim} values: give state")
-            batch["state"] = torch.as_tensor(np.asarray(state, dtype=np.float32))
+                raise UserError(f"this policy also reads a state vector of {spec.state_dim} values: give state")
+            state = np.asarray(state, dtype=np.float32)
+            if state.shape != (len(pixels), spec.state_dim):
+                raise UserError(f"state of shape {state.shape}: give [N, {spec.state_dim}] for {len(pixels)} frames")
+            batch["state"] = torch.as_tensor(_finite(state))
         with torch.inference_mode():
             action, _, _ = self.network.act(batch, deterministic=deterministic)
         action = action.cpu().numpy()
@@ -202,7 +212,7 @@ class Policy:
         state = np.asarray(state, dtype=np.float32).reshape(-1)
         if state.size != self.spec.state_dim:
             raise UserError(f"state has {state.size} values, the policy reads {self.spec.state_dim}")
-        return {"pixels": pixels, "state": state}
+        return {"pixels": pixels, "state": _finite(state)}
 
     def _frame(self, pixels: np.ndarray) -> np.ndarray:
         channels = self.spec.channels
@@ -298,6 +308,15 @@ def build_network(cfg: Config, spec: PolicySpec, state: Any, source: str) -> Act
     obs_space, action_space = spec.spaces()
     network = build_policy(cfg, obs_space, action_space, torch.device("cpu"), load_weights=False)
     return load_weights(network, state, source)
+
+
+def _finite(state: np.ndarray) -> np.ndarray:
+    """``state``, refused when it holds NaN or infinite values: the action would be NaN (sent on
+    to a robot) or an extreme one, as evaluation refuses them from an env."""
+    if not np.isfinite(state).all():
+        raise UserError("state holds NaN or infinite values: a policy cannot act on them (check the sensor that "
+                        "fills it)")
+    return state
 
 
 def write_spec(run_dir: Path, cfg: Config) -> Path:

@@ -122,6 +122,33 @@ def test_act_stacked_refuses_what_is_not_stacked_as_the_wrappers_stack(dot_run, 
         policy.act_stacked(pixels, state)
 
 
+def test_unbounded_actions_are_written_as_null_and_read_back(dot_run):
+    from visppo.deploy import PolicySpec
+
+    spec = load_policy(dot_run).spec
+    data = PolicySpec(spec.image_size, spec.channels, spec.frame_stack, 0, low=[-np.inf, -1.0],
+                      high=[np.inf, 1.0]).to_json(load_policy(dot_run).config)
+    assert data["action"]["low"] == [None, -1.0] and data["action"]["high"] == [None, 1.0]
+    back = PolicySpec.from_json(json.loads(json.dumps(data)), dot_run / "policy.json")
+    assert back.low == [-np.inf, -1.0] and back.high == [np.inf, 1.0]
+
+
+def test_a_policy_json_that_disagrees_with_its_config_is_refused(exported, tmp_path):
+    """Weights that fit any image size (spatial softmax) would act on frames of the edited size."""
+    for field, value, match in (("image_size", 96, "image_size 96, the run's config 48"),
+                                ("frame_stack", 3, "frame_stack 3"), ("action", None, "low <= high")):
+        folder = tmp_path / field
+        shutil.copytree(exported, folder)
+        data = json.loads((folder / "policy.json").read_text())
+        if field == "action":
+            data["action"]["low"][0] = float("nan")
+        else:
+            data[field] = value
+        (folder / "policy.json").write_text(json.dumps(data))
+        with pytest.raises(CheckpointError, match=match):
+            load_policy(folder)
+
+
 def test_what_is_not_a_policy_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="not found"):
         load_policy(tmp_path / "nothing")

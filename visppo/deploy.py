@@ -132,7 +132,8 @@ class PolicySpec:
             raise CheckpointError(f"{source}: action n is {self.n}, must be at least 1 discrete action: restore "
                                   "the exported value (or export the run again)")
         if self.low is not None and (not self.low or len(self.low) != len(self.high)
-                                     or any(lo > hi for lo, hi in zip(self.low, self.high))):
+                                     or any(lo > hi for lo, hi in zip(self.low, self.high))
+                                     or any(math.isnan(v) for v in (*self.low, *self.high))):
             raise CheckpointError(f"{source}: action low and high must be lists of one length with low <= high: "
                                   "restore the exported values (or export the run again)")
 
@@ -186,7 +187,7 @@ class Policy:
             state = np.asarray(state, dtype=np.float32)
             if state.shape != (len(pixels), spec.state_dim):
                 raise UserError(f"state of shape {state.shape}: give [N, {spec.state_dim}] for {len(pixels)} frames")
-            batch["state"] = torch.as_tensor(_finite(state))
+            batch["state"] = torch.as_tensor(_finite_state(state))
         with torch.inference_mode():
             action, _, _ = self.network.act(batch, deterministic=deterministic)
         action = action.cpu().numpy()
@@ -212,7 +213,7 @@ class Policy:
         state = np.asarray(state, dtype=np.float32).reshape(-1)
         if state.size != self.spec.state_dim:
             raise UserError(f"state has {state.size} values, the policy reads {self.spec.state_dim}")
-        return {"pixels": pixels, "state": _finite(state)}
+        return {"pixels": pixels, "state": _finite_state(state)}
 
     def _frame(self, pixels: np.ndarray) -> np.ndarray:
         channels = self.spec.channels
@@ -305,12 +306,17 @@ def build_network(cfg: Config, spec: PolicySpec, state: Any, source: str) -> Act
     """The config's network for ``spec`` on the CPU, filled with ``state`` (refused unless it fits);
     ``cfg`` itself keeps the run's devices, as an export writes it."""
     state = tensor_state(state, f"{source}: the weights")
+    for name, said, trained in (("image_size", spec.image_size, cfg.env.image_size),
+                                ("frame_stack", spec.frame_stack, cfg.env.frame_stack)):
+        if said != trained:  # the weights may fit either (spatial softmax, torchvision trunks): it would act on other frames
+            raise CheckpointError(f"{source}: policy.json says {name} {said}, the run's config {trained}: restore "
+                                  "the exported policy.json (or export the run again)")
     obs_space, action_space = spec.spaces()
     network = build_policy(cfg, obs_space, action_space, torch.device("cpu"), load_weights=False)
     return load_weights(network, state, source)
 
 
-def _finite(state: np.ndarray) -> np.ndarray:
+def _finite_state(state: np.ndarray) -> np.ndarray:
     """``state``, refused when it holds NaN or infinite values: the action would be NaN (sent on
     to a robot) or an extreme one, as evaluation refuses them from an env."""
     if not np.isfinite(state).all():

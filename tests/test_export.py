@@ -206,6 +206,20 @@ def test_the_card_takes_no_evaluation_of_another_env_or_checkpoint(tmp_path):
     assert export_module.find_evaluation(str(tmp_path))[1]["mean_return"] == 2.0  # step unknown: any step
 
 
+def test_the_card_skips_another_tools_json_in_the_run_folder(tmp_path):
+    """A stray file with a mean_return, but not visppo eval's fields, is not an evaluation (its
+    list of episodes crashed the export)."""
+    good = {"mean_return": 2.0, "std_return": 1.0, "episodes": 3, "global_step": 64, "seed": 0}
+    for name, stray in (("a.json", {**good, "episodes": [1.0, 2.0], "std_return": "n/a"}),
+                        ("b.json", {**good, "episodes": 0}), ("c.json", {**good, "mean_return": True}),
+                        ("d.json", {**good, "seed": "x"})):
+        (tmp_path / name).write_text(json.dumps(stray))
+    assert export_module.find_evaluation(str(tmp_path), 64) is None
+    (tmp_path / "e.json").write_text(json.dumps(good))
+    name, found = export_module.find_evaluation(str(tmp_path), 64)
+    assert name == "e.json" and export_module.evaluation_lines((name, found), str(tmp_path))
+
+
 def _pushed_out_of_bounds(run_dir, tmp_path):
     """A copy of the run whose actor's last bias puts the Gaussian's mean far outside [-1, 1]."""
     import shutil

@@ -174,12 +174,22 @@ def find_evaluation(run_dir: str | None, global_step: int | None = None) -> tupl
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue
-        if not (isinstance(data, dict) and isinstance(data.get("mean_return"), (int, float)) and "episodes" in data):
+        if not _an_evaluation(data):  # another tool's JSON in the run folder
             continue
         other_step = None not in (global_step, data.get("global_step")) and data["global_step"] != global_step
         if not data.get("env_overrides") and not other_step:
             return path.name, data
     return None
+
+
+def _an_evaluation(data: Any) -> bool:
+    """Whether ``data`` reads as ``visppo eval --json``'s output: its fields of the kinds the card
+    prints (a stray JSON file with a ``mean_return`` must not crash the export)."""
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return (isinstance(data, dict) and number(data.get("mean_return")) and number(data.get("episodes"))
+            and data["episodes"] >= 1 and int(data["episodes"]) == data["episodes"]
+            and all(data.get(k) is None or number(data[k]) for k in ("std_return", "seed", "success_rate", "global_step")))
 
 
 def evaluation_lines(found: tuple[str, dict[str, Any]] | None, run_dir: str | None) -> list[str]:

@@ -46,6 +46,9 @@ FAST_OFF = (mujoco.mjtRndFlag.mjRND_SHADOW, mujoco.mjtRndFlag.mjRND_REFLECTION, 
 DEFAULT_CAMERA = {"quadruped": 2}
 """Camera per domain where the published protocol does not use camera 0 (DrQ-v2)."""
 INSTALL_HINT = 'install the optional extra: pip install -e ".[dmc]" (dm-control and mujoco>=3.17,<4)'
+UNLIMITED = 1e9
+"""Action bounds at or beyond this (MuJoCo reports +-1e10 for an actuator without a control range)
+are no bounds: the policy's [-1, 1] goes to such an actuator unscaled."""
 
 
 class SuiteUnavailable(ImportError):
@@ -180,6 +183,11 @@ class DMCEnv(gym.Env):
         spec = self._env.action_spec()
         self._low = np.asarray(spec.minimum, np.float64) * np.ones(spec.shape)
         self._high = np.asarray(spec.maximum, np.float64) * np.ones(spec.shape)
+        # an actuator without a control range (lqr's) reports MuJoCo's +-1e10: scaled onto that, the
+        # policy's [-1, 1] would push by 1e9; such an actuator takes [-1, 1] as it is
+        unlimited = ~np.isfinite(self._low) | ~np.isfinite(self._high) | (np.abs(self._low) >= UNLIMITED) | \
+            (np.abs(self._high) >= UNLIMITED)
+        self._low[unlimited], self._high[unlimited] = -1.0, 1.0
         self.action_space = spaces.Box(-1.0, 1.0, tuple(spec.shape), np.float32)
         pixels = spaces.Box(0, 255, (self.image_size, self.image_size, 3), np.uint8)
         if obs_mode == "pixels":
@@ -207,7 +215,8 @@ class DMCEnv(gym.Env):
         super().reset(seed=seed)
         task = getattr(self._env, "task", None)
         if task is not None:  # the suite draws the initial state from its task's RandomState
-            task._random = np.random.RandomState(int(self.np_random.integers(2**31)))
+            # 128 bits of the episode's seed: 31 folded distinct reset seeds into one start now and then
+            task._random = np.random.RandomState(self.np_random.integers(2**32, size=4, dtype=np.uint32))
         timestep = self._env.reset()
         self.frames = 0
         return self._observation(timestep), {}

@@ -197,6 +197,18 @@ def test_reset_seeds_the_tasks_initial_state():
     assert np.array_equal(first[0], first[1]) and not np.array_equal(first[0], first[2])
 
 
+def test_distinct_reset_seeds_give_the_task_distinct_random_streams():
+    """Training's and evaluation's reset seeds are disjoint (visppo.seeding); the task's own
+    RandomState must not fold them together. Before, it took 31 bits of each: training seed
+    1296320671 and evaluation seed 4159548789 drew the same initial state."""
+    env = fake_env(image_size=48)
+    streams = []
+    for seed in (1296320671, 4159548789, 1296320671):
+        env.reset(seed=seed)
+        streams.append(env._env.task._random.randint(2**31, size=8))
+    assert not np.array_equal(streams[0], streams[1]) and np.array_equal(streams[0], streams[2])
+
+
 def test_the_fast_look_drops_shadows_reflections_and_skybox():
     published, fast = fake_env(image_size=48), fake_env(image_size=48, look="fast")
     a, b = published.reset(seed=0)[0], fast.reset(seed=0)[0]
@@ -325,6 +337,15 @@ def test_the_published_tasks_are_registered(suite):
                  "cheetah-run"):
         check_env_id(f"dmc:{name}")
         assert f"dmc/{name}-v0" in gym.registry
+
+
+def test_an_actuator_without_a_control_range_takes_the_action_unscaled(suite):
+    """lqr's actuators report MuJoCo's +-1e10 as bounds: scaled onto them, 0.1 pushed with 1e9."""
+    env = dmc.DMCEnv("lqr", "lqr_2_1", image_size=32)
+    env.reset(seed=0)
+    env.step(np.full(env.action_space.shape, 0.1, np.float32))
+    assert np.allclose(env._env.physics.data.ctrl, 0.1)
+    env.close()
 
 
 def test_the_published_look_is_dm_controls_own_render(suite):

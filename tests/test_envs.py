@@ -338,6 +338,26 @@ def test_action_repeat_stops_at_the_episode_end():
     assert truncated and not terminated and Counted.steps == 2  # the time limit ended it after 2 of 3
 
 
+def test_action_repeat_stops_at_termination_with_the_rewards_up_to_it():
+    class EndsOnSecondStep(gym.Env):
+        observation_space = gym.spaces.Box(0, 1, (1,))
+        action_space = gym.spaces.Box(-1, 1, (1,))
+        rewards = (1.0, 10.0, 100.0)
+
+        def reset(self, *, seed=None, options=None):
+            self.t = 0
+            return np.zeros(1, np.float32), {}
+
+        def step(self, action):
+            self.t += 1
+            return np.full(1, self.t, np.float32), self.rewards[self.t - 1], self.t == 2, False, {}
+
+    env = envs_module.ActionRepeat(EndsOnSecondStep(), repeat=3)
+    env.reset()
+    obs, reward, terminated, truncated, _ = env.step(np.zeros(1))
+    assert terminated and not truncated and reward == 11.0 and obs[0] == 2  # the third step never ran
+
+
 def test_async_workers_never_fork(monkeypatch):
     """Forking after an EGL context hangs: workers start from the forkserver, or spawn without one."""
     import multiprocessing

@@ -125,6 +125,23 @@ def test_a_policys_error_during_evaluation_is_its_own_and_an_envs_is_the_envs(mo
         run_episodes(StubPolicy(fails=False), cfg, episodes=1)
 
 
+def test_an_evaluation_episode_of_an_env_without_a_time_limit_ends_in_an_error(monkeypatch):
+    """gymnasium registers envs without one; evaluating a policy that never ends the episode hung."""
+    import gymnasium as gym
+
+    from visppo.errors import EnvError
+    from visppo.evaluate import run_episodes
+
+    monkeypatch.setitem(gym.registry, "NoLimitDot-v0", gym.envs.registration.EnvSpec(
+        "NoLimitDot-v0", entry_point="visppo_envs.dot:DotReachEnv"))
+    monkeypatch.setattr("visppo.evaluate.EPISODE_STEP_CAP", 30)
+    cfg = load_config(None, tiny_overrides(**{"env.id": "NoLimitDot-v0"}))
+    with pytest.raises(EnvError, match="did not end in 30 steps: the env has no time limit; set env.max_episode_steps"):
+        run_episodes(StubPolicy(fails=False), cfg, episodes=1)
+    cfg = load_config(None, tiny_overrides(**{"env.id": "NoLimitDot-v0", "env.max_episode_steps": 40}))
+    assert run_episodes(StubPolicy(fails=False), cfg, episodes=1)["lengths"] == [40]  # a limit: no cap below it
+
+
 def test_video_mp4_frames_and_size(run_dir, tmp_path):
     video = tmp_path / "videos" / "eval.mp4"
     result = evaluate(run_dir, episodes=2, deterministic=True, video=video)

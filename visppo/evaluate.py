@@ -32,7 +32,7 @@ from visppo.checkpoint import CheckpointError
 from visppo.config import Config, from_dict
 from visppo.env_check import check_rollout_step, env_errors, success_of
 from visppo.envs import check_env_id, make_env
-from visppo.errors import ConfigError, UserError
+from visppo.errors import ConfigError, EnvError, UserError
 from visppo.policy import ActorCritic
 from visppo.video import check_suffix, compose_frame, no_writer, video_fps, video_writer
 
@@ -89,7 +89,7 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
             for i in range(episodes):
                 # the first reset sets the stream's base; later ones step its episode index
                 results.append(run_episode(env, policy, seed if i == 0 else None, deterministic, device,
-                                           record, env_id=cfg.env.id))
+                                           record, env_id=cfg.env.id, max_steps=step_cap(env, cfg)))
             written = writer.path if writer is not None else None
     finally:
         with contextlib.suppress(Exception, SystemExit):  # a failing env's error matters more
@@ -108,12 +108,26 @@ def _env_call(call: Callable[..., Any], env_id: str) -> Callable[..., Any]:
     return env_part
 
 
+EPISODE_STEP_CAP = 100_000
+"""Agent steps after which an evaluation episode that has not ended is an error, unless the env's
+time limit is longer: an env without one (gymnasium allows it) would otherwise evaluate for ever."""
+
+
+def step_cap(env: gym.Env, cfg: Config) -> int:
+    """:data:`EPISODE_STEP_CAP`, or twice the env's known time limit where that is longer."""
+    spec = getattr(env, "spec", None)
+    known = cfg.env.max_episode_steps or (spec.max_episode_steps if spec is not None else None) or 0
+    return max(EPISODE_STEP_CAP, 2 * int(known))
+
+
 def run_episode(env: gym.Env, policy: ActorCritic, seed: int | None, deterministic: bool, device: torch.device,
-                record=None, env_id: str = "(unnamed)") -> tuple[float, int, bool | None]:
+                record=None, env_id: str = "(unnamed)", max_steps: int = EPISODE_STEP_CAP
+                ) -> tuple[float, int, bool | None]:
     """One episode reset with ``seed`` (``None``: the env's next episode): (return, length, success or
     None); ``record(obs)`` every frame. What the env's reset and step raise, a non-finite reward or
-    state, or an ``is_success`` that is not a bool is an EnvError naming ``env_id``, as in training;
-    what the policy or ``record`` raises is theirs, and propagates as it is."""
+    state, an ``is_success`` that is not a bool, or an episode still going after ``max_steps`` is an
+    EnvError naming ``env_id``, as in training; what the policy or ``record`` raises is theirs, and
+    propagates as it is."""
     space = env.action_space
     low, high = (space.low, space.high) if isinstance(space, gym.spaces.Box) else (None, None)
     with env_errors(env_id, "evaluation"):
@@ -136,6 +150,9 @@ def run_episode(env: gym.Env, policy: ActorCritic, seed: int | None, determinist
             total, length, done = total + float(reward), length + 1, bool(terminated or truncated)
         if record is not None:
             record(obs)
+        if not done and length >= max_steps:
+            raise EnvError(f"env {env_id}: an evaluation episode did not end in {max_steps:,} steps: the env has "
+                           "no time limit; set env.max_episode_steps")
     with env_errors(env_id, "evaluation"):
         success = bool(success_of(info["is_success"], env_id)) if "is_success" in info else None
     return total, length, success

@@ -137,6 +137,48 @@ def test_render_samples_is_refused_for_an_env_that_is_not_mujoco():
         load_config(None, [DOT, "env.render_samples=-2"])
 
 
+def test_with_pixels_off_the_render_keys_are_applied_or_refused_never_ignored():
+    """env.pixels=false: the env's own observations; env.camera cannot choose them, and
+    env.render_samples goes to its renderer (refused for one that is not MuJoCo), as with pixels on."""
+    own = "visppo_envs:visppo/DotReach-v0"
+    with pytest.raises(ConfigError, match="with env.pixels=false the env's own observations choose their camera"):
+        make_env(load_config(None, tiny_overrides(**{"env.id": own, "env.pixels": "false", "env.camera": "nope",
+                                                     "env.vector": "sync"})))
+    with pytest.raises(ConfigError, match="env.render_samples"):
+        make_env(load_config(None, tiny_overrides(**{"env.id": own, "env.pixels": "false", "env.render_samples": 0,
+                                                     "env.vector": "sync"})))
+
+
+class _TakesACamera(gym.Env):
+    """Renders, takes ``camera_name`` but no render size."""
+
+    metadata = {"render_modes": ["rgb_array"]}
+    observation_space = gym.spaces.Box(-1, 1, (2,))
+    action_space = gym.spaces.Box(-1, 1, (2,))
+
+    def __init__(self, render_mode=None, camera_name=None):
+        self.render_mode, self.camera_name = render_mode, camera_name
+
+
+class _TakesNoCamera(_TakesACamera):
+    def __init__(self, render_mode=None):
+        super().__init__(render_mode)
+
+
+def test_an_env_without_a_render_size_still_gets_the_camera_asked_for(monkeypatch):
+    seen = []
+    monkeypatch.setattr(envs_module, "check_camera", lambda env, camera, env_id: seen.append(env.unwrapped.camera_name))
+    for name, cls in (("TakesACamera-v0", _TakesACamera), ("TakesNoCamera-v0", _TakesNoCamera)):
+        monkeypatch.setitem(gym.registry, name, gym.envs.registration.EnvSpec(name, entry_point=cls))
+    cfg = load_config(None, tiny_overrides(**{"env.id": "TakesACamera-v0", "env.camera": "side"}))
+    with pytest.raises(NotImplementedError):  # past the camera: the stub cannot reset, let alone render
+        make_env(cfg)
+    assert seen == ["side"]
+    cfg = load_config(None, tiny_overrides(**{"env.id": "TakesNoCamera-v0", "env.camera": "side"}))
+    with pytest.raises(ConfigError, match="takes no camera_name: remove env.camera"):
+        make_env(cfg)
+
+
 @pytest.mark.parametrize("cpus, overrides, expected", [
     (2, [], False),                                   # 2 CPUs: the learner's process steps the envs
     (4, [], True),                                    # more: worker processes render in parallel

@@ -282,7 +282,15 @@ def _make_env(cfg: Config, stream: int) -> gym.Env:
 
 def _make_gymnasium(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
     """A gymnasium id: its rendered frames (env.pixels), else its own observations."""
-    return _make_rendered(cfg, env_id, kwargs) if cfg.env.pixels else gym.make(env_id, **kwargs)
+    if cfg.env.pixels:
+        return _make_rendered(cfg, env_id, kwargs)
+    if cfg.env.camera:
+        raise ConfigError(f"env.camera={cfg.env.camera}: with env.pixels=false the env's own observations choose "
+                          "their camera: remove env.camera, or set env.pixels=true to train on rendered frames")
+    env = gym.make(env_id, **kwargs)
+    if cfg.env.render_samples >= 0:  # its image observations may come from a MuJoCo renderer too
+        set_render_samples(env, cfg.env.render_samples, env_id)
+    return env
 
 
 def is_module_id(env_id: str) -> bool:
@@ -401,8 +409,13 @@ def _make_rendered(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
     try:
         env = gym.make(env_id, render_mode="rgb_array", width=e.image_size, height=e.image_size,
                        **cam, **kwargs)
-    except TypeError:  # envs that do not take a render size
-        env = gym.make(env_id, render_mode="rgb_array", **kwargs)
+    except TypeError:  # envs that do not take a render size (the camera, asked for, must still be taken)
+        try:
+            env = gym.make(env_id, render_mode="rgb_array", **cam, **kwargs)
+        except TypeError:
+            if cam:
+                raise ConfigError(f"env.camera={e.camera}: {e.id} takes no camera_name: remove env.camera") from None
+            raise
     if e.camera:
         check_camera(env, e.camera, e.id)
     if e.render_samples >= 0:  # before AddRenderObservation renders its first frame

@@ -136,9 +136,9 @@ def test_the_command_line_replays_validate_probes_files(tmp_path, capsys):
 
 @pytest.mark.parametrize("content, args, needle", [
     (b"not gzip", [], "is not a trace"),
-    (gzip.compress(b'{"rows": []}'), [], "is not a trace"),
-    (gzip.compress(b'{"events": []}'), ["--json", "nowhere/r.json"], "does not exist"),
-])
+    (gzip.compress(b'{"rows": []}', mtime=0), [], "is not a trace"),
+    (gzip.compress(b'{"events": []}', mtime=0), ["--json", "nowhere/r.json"], "does not exist"),
+], ids=["not-gzip", "no-events", "json-folder-missing"])  # ids: xdist's workers must collect the same names
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, content, args, needle):
     path = tmp_path / "t.json.gz"
     path.write_bytes(content)

@@ -185,8 +185,7 @@ class DMCEnv(gym.Env):
         self._high = np.asarray(spec.maximum, np.float64) * np.ones(spec.shape)
         # an actuator without a control range (lqr's) reports MuJoCo's +-1e10: scaled onto that, the
         # policy's [-1, 1] would push by 1e9; such an actuator takes [-1, 1] as it is
-        unlimited = ~np.isfinite(self._low) | ~np.isfinite(self._high) | (np.abs(self._low) >= UNLIMITED) | \
-            (np.abs(self._high) >= UNLIMITED)
+        unlimited = ~((np.abs(self._low) < UNLIMITED) & (np.abs(self._high) < UNLIMITED))  # NaN and inf too
         self._low[unlimited], self._high[unlimited] = -1.0, 1.0
         self.action_space = spaces.Box(-1.0, 1.0, tuple(spec.shape), np.float32)
         pixels = spaces.Box(0, 255, (self.image_size, self.image_size, 3), np.uint8)

@@ -202,10 +202,9 @@ def replay(trace: dict) -> list[dict]:
         now["recorded_reserved_peak"] = max(now["recorded_reserved_peak"], recorded)
         now["model_reserved_peak"] = max(now["model_reserved_peak"], model.reserved)
         now["allocated_peak"] = max(now["allocated_peak"], model.allocated)
-        now["model_segments"] = model.segments - now["model_segments_before"]
-    for p in phases:
-        p.pop("model_segments_before")
-        p.setdefault("model_segments", 0)
+    ends = [p["model_segments_before"] for p in phases[1:]] + [model.segments]  # each phase ends where the next starts
+    for p, end in zip(phases, ends, strict=True):
+        p["model_segments"] = end - p.pop("model_segments_before")
         peak = p["recorded_reserved_peak"]
         p["error"] = (p["model_reserved_peak"] - peak) / peak if peak else 0.0
     return phases

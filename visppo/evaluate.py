@@ -86,10 +86,11 @@ def run_episodes(policy: ActorCritic, cfg: Config, episodes: int, deterministic:
             torch.manual_seed(seed)
             record = ((lambda obs: writer.append(compose_frame(obs["pixels"], cfg.env.frame_stack, render_view)))
                       if writer is not None else None)
+            cap = step_cap(env, cfg)
             for i in range(episodes):
                 # the first reset sets the stream's base; later ones step its episode index
                 results.append(run_episode(env, policy, seed if i == 0 else None, deterministic, device,
-                                           record, env_id=cfg.env.id, max_steps=step_cap(env, cfg)))
+                                           record, env_id=cfg.env.id, max_steps=cap))
             written = writer.path if writer is not None else None
     finally:
         with contextlib.suppress(Exception, SystemExit):  # a failing env's error matters more

@@ -86,7 +86,11 @@ args = sys.argv[1:]
 log = Path(os.environ["FAKE_LOG"])
 with log.open("a") as f:
     f.write(json.dumps(args) + "\n")
-if args[:1] == ["tools/validate_probe.py"] or args[:1] == ["tools/speed_vs_sb3.py"]:
+if args[:1] == ["tools/validate_probe.py"] and "--resume" in args \
+        and Path(args[args.index("--resume") + 1]).read_text() == "another GPU's":
+    print("error: --resume: was made with device_name 'Other GPU'", file=sys.stderr)
+    sys.exit(2)
+elif args[:1] == ["tools/validate_probe.py"] or args[:1] == ["tools/speed_vs_sb3.py"]:
     Path(args[args.index("--json") + 1]).write_text("{{}}")
     if "--traces" in args:
         traces = Path(args[args.index("--traces") + 1])
@@ -233,3 +237,18 @@ def test_by_default_the_dmc_training_gets_what_the_call_has_left(tmp_path):
     limit = int(re.search(r"for (\d+) s, then SIGTERM", log).group(1))
     assert 115 - 2 - 5 - 90 - 6 <= limit <= 115 - 2 - 5 - 90, log  # the setup here takes a second or two
     assert (tmp_path / "calls.jsonl.terms").read_text() == "1"
+
+
+@pytest.mark.parametrize("earlier, runs", [("{}", 1), ("another GPU's", 2)])
+def test_a_probe_call_carries_on_the_json_it_is_given_or_runs_afresh_if_refused(tmp_path, earlier, runs):
+    part = tmp_path / "part.json"
+    part.write_text(earlier)
+    res, out, calls = fake_session(tmp_path, "probe", PROBE_RESUME=str(part))
+    assert res.returncode == 0, res.stderr
+    probes = [c for c in calls if c[:1] == ["tools/validate_probe.py"]]
+    assert len(probes) == runs and probes[0][probes[0].index("--resume") + 1] == str(part)
+    if runs == 2:
+        assert "--resume" not in probes[1] and "running the grid afresh" in res.stdout
+    assert (out / "probe_validation_cuda.json").exists()
+    res, out, calls = fake_session(tmp_path / "plain", "probe")
+    assert [c for c in calls if c[:1] == ["tools/validate_probe.py"]][0].count("--resume") == 0

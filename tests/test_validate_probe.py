@@ -494,3 +494,83 @@ def test_the_committed_cuda_grid_meets_the_limits_it_was_run_for():
     assert vp.grid_problems(data) == []
     cuda = torch.device("cuda")
     assert max(default_margin(cuda, dtype) for dtype in (None, torch.bfloat16, torch.float16)) <= 0.10
+
+
+def _stub_gpu(monkeypatch, name: str = "Stub GPU") -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+
+
+def _cut_short(monkeypatch, tmp_path, headlines: int, rows: int) -> Path:
+    """A whole --cap run of a two-row grid, then its JSON cut to the first ``headlines`` headlines
+    and ``rows`` rows, as a time limit leaves it."""
+    _stub_gpu(monkeypatch)
+    _stub_children(monkeypatch, fail=set())
+    monkeypatch.setattr(vp, "CUDA_GRID", [("nature", 84, (64,), (256, 512))])
+    whole = tmp_path / "whole.json"
+    assert vp.main(["--device", "cuda", "--amp", "off", "--cap", "--json", str(whole)]) == 0
+    data = json.loads(whole.read_text())
+    part = tmp_path / "part.json"
+    part.write_text(json.dumps({**data, "headline": data["headline"][:headlines], "rows": data["rows"][:rows]}))
+    return part
+
+
+def test_a_resumed_run_runs_only_what_the_cut_short_json_lacks(monkeypatch, capsys, tmp_path):
+    """A GPU call's time limit cut the grid; the next call carries the JSON on: the missing headline
+    precisions, the capped run of a measured row that lacks one, then the rows not measured."""
+    part = _cut_short(monkeypatch, tmp_path, headlines=1, rows=3)  # micro64, micro64c, infer256
+    earlier = json.loads(part.read_text())
+    calls = _stub_children(monkeypatch, fail=set())
+    out = tmp_path / "all.json"
+    assert vp.main(["--device", "cuda", "--amp", "off", "--cap", "--resume", str(part), "--json", str(out)]) == 0
+    assert [v if f == "--headline-one" else _key(v) for f, v in calls] == [
+        "bf16", "fp16", "infer_chunk256c", "infer_chunk512", "infer_chunk512c"]
+    data = json.loads(out.read_text())
+    assert data["rows"][:3] == earlier["rows"] and len(data["rows"]) == 6
+    assert [h["amp"] for h in data["headline"]] == ["off", "bf16", "fp16"]
+    assert data["resumed_from"] == [{"date": earlier["date"], "argv": earlier["argv"]}]
+    assert "(carried)" in capsys.readouterr().out
+    calls.clear()  # resuming a whole grid runs nothing and still writes the JSON
+    again = tmp_path / "again.json"
+    assert vp.main(["--device", "cuda", "--amp", "off", "--cap", "--resume", str(out), "--json", str(again)]) == 0
+    assert calls == [] and json.loads(again.read_text())["rows"] == data["rows"]
+    assert len(json.loads(again.read_text())["resumed_from"]) == 2
+
+
+def test_a_resumed_run_does_not_run_a_failed_row_again(monkeypatch, tmp_path):
+    part = _cut_short(monkeypatch, tmp_path, headlines=3, rows=2)
+    data = json.loads(part.read_text())
+    data["rows"].append({**data["rows"][0], "kind": "infer_chunk", "size": 256, "failed": "a crash"})
+    part.write_text(json.dumps(data))
+    calls = _stub_children(monkeypatch, fail=set())
+    assert vp.main(["--device", "cuda", "--amp", "off", "--cap", "--resume", str(part)]) == 1
+    assert [_key(v) for _, v in calls] == ["infer_chunk512", "infer_chunk512c"]
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"device_name": "Other GPU"}, "device_name 'Other GPU'"),
+    ({"torch": "0.1"}, "torch '0.1'"),
+    ({"alloc_conf": "expandable_segments:True"}, "alloc_conf"),
+    ({"rows": [{"encoder": "resnet18", "image": 224, "amp": "off", "kind": "micro_batch", "size": 32}]},
+     "grid lacks (resnet18 224 off micro_batch 32"),
+])
+def test_resuming_another_machines_or_grids_json_is_one_error_line_and_runs_nothing(
+        monkeypatch, capsys, tmp_path, change, needle):
+    part = _cut_short(monkeypatch, tmp_path, headlines=1, rows=1)
+    part.write_text(json.dumps({**json.loads(part.read_text()), **change}))
+    capsys.readouterr()
+    calls = _stub_children(monkeypatch, fail=set())
+    out = tmp_path / "all.json"
+    assert vp.main(["--device", "cuda", "--amp", "off", "--cap", "--resume", str(part), "--json", str(out)]) == 2
+    one_error_line(capsys.readouterr().err, "--resume", needle)
+    assert calls == [] and not out.exists()
+
+
+@pytest.mark.parametrize("content, needle", [("not json", "not a JSON file"), ('{"rows": []}', "no rows and headline")])
+def test_resuming_a_file_this_script_did_not_write_is_one_error_line(capsys, tmp_path, content, needle):
+    part = tmp_path / "part.json"
+    part.write_text(content)
+    assert vp.main(["--device", "cuda", "--resume", str(part)]) == 2
+    one_error_line(capsys.readouterr().err, "--resume", needle)
+    assert vp.main(["--device", "cpu", "--resume", str(part)]) == 2
+    one_error_line(capsys.readouterr().err, "--resume", "--device cuda")

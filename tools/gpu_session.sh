@@ -29,7 +29,11 @@
 #               pairs; a failing child is recorded as a failed row and the next runs; PROBE_ARGS
 #               replaces --cap); with --traces, every uncapped row's allocator actions, packed at the
 #               step's end into $OUT/alloc_traces.tar (what tools/alloc_model.py, a model of the
-#               caching allocator, is checked against on a machine without a GPU)
+#               caching allocator, is checked against on a machine without a GPU). The whole grid
+#               takes longer than one call: PROBE_RESUME=FILE (a JSON an earlier call brought back,
+#               put in the working tree, which the call carries) runs only what FILE lacks and
+#               writes FILE's rows with the new ones (--resume); where validate_probe refuses FILE
+#               (another GPU, torch or CUDA made it), the grid runs afresh instead
 #   expandable  (only when STEPS names it) the fp32 grid again, uncapped and capped, under
 #               PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, into
 #               $OUT/probe_validation_cuda_expandable.json: whether that allocator's reserve follows
@@ -244,8 +248,17 @@ case " $STEPS " in *" probe "*)
     # shellcheck disable=SC2086
     traces=${TMPDIR:-/tmp}/alloc_traces
     rm -rf "$traces"  # a warm machine's earlier call must not add its traces to this call's
+    resume=()
+    [ -n "${PROBE_RESUME:-}" ] && resume=(--resume "$PROBE_RESUME")
+    # shellcheck disable=SC2086
     step probe "${PROBE_TIMEOUT:-240}" $PY tools/validate_probe.py --device cuda ${PROBE_ARGS:---cap} \
-        --traces "$traces" --json "$OUT/probe_validation_cuda.json"
+        --traces "$traces" "${resume[@]}" --json "$OUT/probe_validation_cuda.json"
+    if [ ${#resume[@]} -gt 0 ] && grep -q "^error: --resume" "$OUT/probe.log"; then  # a fresh grid, not a lost call
+        echo "probe: $(grep -m 1 "^error: --resume" "$OUT/probe.log"); running the grid afresh"
+        # shellcheck disable=SC2086
+        step probe "${PROBE_TIMEOUT:-240}" $PY tools/validate_probe.py --device cuda ${PROBE_ARGS:---cap} \
+            --traces "$traces" --json "$OUT/probe_validation_cuda.json"
+    fi
     pack "$OUT/alloc_traces.tar" -cf "$traces" ;;
 esac
 case " $STEPS " in *" expandable "*)

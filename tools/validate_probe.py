@@ -4,6 +4,7 @@
     python tools/validate_probe.py --device cuda --json probe_gpu.json    # real GPU: allocator + driver
     python tools/validate_probe.py --device cpu --quick                   # a small grid: seconds
     python tools/validate_probe.py --device cuda --cap --traces traces/   # + capped rows, allocator traces
+    python tools/validate_probe.py --device cuda --cap --resume part.json --json all.json  # what part.json lacks
     exit code 0: every row and headline passed; exit code 1: one failed (outside LIMITS, or out
     of memory under its cap); exit code 2: bad input
 
@@ -62,6 +63,14 @@ autocast cache or profiler state carries from one row to the next. A child that 
 its stderr's last lines, and the run goes on to the next; the summary counts it as failing.
 The JSON carries the date, the device's name, the CUDA version, ``PYTORCH_CUDA_ALLOC_CONF``
 and the command line, so a file read later says what made it.
+
+``--resume FILE`` (CUDA) carries on a run that a time limit cut short, in a later call or session:
+FILE's headlines and rows go into this run's JSON as they are, and only what FILE lacks runs (the
+missing headline precisions, the rows it has not measured, and the capped runs of its measured rows
+that lack one). FILE must have been made on a GPU of the same name, with the same torch, CUDA and
+``PYTORCH_CUDA_ALLOC_CONF``, and its rows must be rows of this run's grid; otherwise it is refused
+(exit code 2), as rows of two machines are not one grid. The JSON lists the earlier runs' dates and
+command lines under ``resumed_from``.
 """
 
 from __future__ import annotations
@@ -257,6 +266,42 @@ def capped_rows(results: list[dict], slack: float = CAP_SLACK) -> list[dict]:
             for r in results]
 
 
+def row_key(row: dict) -> tuple:
+    """What makes a row the same row of a grid, capped or not."""
+    return row["encoder"], row["image"], row["amp"], row["kind"], row["size"]
+
+
+RESUME_SAME = ("device", "device_name", "torch", "cuda", "alloc_conf")
+"""What an earlier run's JSON must share with this run for ``--resume`` to carry its rows on."""
+
+
+def resume_problem(earlier: dict, info: dict, planned: list[dict]) -> str | None:
+    """Why this run cannot carry on ``earlier`` (a JSON this script wrote), or None when it can:
+    another GPU, torch, CUDA or allocator setting measures other bytes, and a row outside this
+    run's grid would make a grid no command line made."""
+    for key in RESUME_SAME:
+        if earlier.get(key) != info[key]:
+            return (f"was made with {key} {earlier.get(key)!r}, this run has {info[key]!r}: resume it where it "
+                    f"was made (the device tool's kind), or leave --resume out")
+    stray = sorted({row_key(r) for r in earlier["rows"]} - {row_key(r) for r in planned})
+    if stray:
+        return (f"has rows this run's grid lacks ({' '.join(map(str, stray[0]))} and {len(stray) - 1} more): give "
+                f"the --quick and --amp it was made with")
+    return None
+
+
+def still_to_run(planned: list[dict], earlier_rows: list[dict], cap: bool) -> tuple[list[dict], list[dict]]:
+    """What a resumed run measures: the planned rows the earlier run has not measured, and (with
+    ``cap``) the earlier run's measured rows that lack their capped run. A row that failed stays
+    failed: it is a result, and running rows again until they pass is not measuring them."""
+    measured = {row_key(r): r for r in earlier_rows if "cap_bytes" not in r}
+    capped = {row_key(r) for r in earlier_rows if "cap_bytes" in r}
+    todo = [r for r in planned if row_key(r) not in measured]
+    to_cap = [measured[row_key(r)] for r in planned if cap and row_key(r) in measured
+              and row_key(r) not in capped and not measured[row_key(r)].get("failed")]
+    return todo, to_cap
+
+
 def limits_summary(results: list[dict]) -> str:
     """How many rows fail :func:`within_limits`, as the summary line says it."""
     outside = sum(1 for r in results if within_limits(r))
@@ -279,10 +324,9 @@ def grid_problems(data: dict) -> list[str]:
     run; every precision of :data:`AMPS` is in the grid; every headline precision ran and passed."""
     problems = [f"no {key}" for key in ("date", "device_name", "torch", "cuda") if key not in data]
     problems += [format_row(r) for r in data["rows"] if within_limits(r)]
-    key = lambda r: (r["encoder"], r["image"], r["amp"], r["kind"], r["size"])  # noqa: E731
-    capped = {key(r) for r in data["rows"] if "cap_bytes" in r}
+    capped = {row_key(r) for r in data["rows"] if "cap_bytes" in r}
     problems += [f"{' '.join(map(str, k))}: without its capped run" for k in
-                 sorted({key(r) for r in data["rows"] if "cap_bytes" not in r} - capped)]
+                 sorted({row_key(r) for r in data["rows"] if "cap_bytes" not in r} - capped)]
     problems += [f"no {amp} row" for amp in AMPS if amp not in {r["amp"] for r in data["rows"]}]
     headlines = {h["amp"]: h for h in data.get("headline", [])}
     problems += [f"headline {amp}: " + ("did not run" if amp not in headlines else format_headline(headlines[amp]))
@@ -524,10 +568,13 @@ def child_or_failed(device: str, flag: str, value: str, threads: int, record: di
         return {**record, "failed": exc.last}
 
 
-def run_grid(rows: list[dict], device: str, threads: int = 0, cap: bool = False):
+def run_grid(rows: list[dict], device: str, threads: int = 0, cap: bool = False, to_cap: list[dict] = ()):
     """Each row in a fresh child process (this script with ``--one``); with ``cap``, its capped
     run right after it, so a run cut short keeps whole pairs (a failed row has no estimate to
-    cap at, and no capped run)."""
+    cap at, and no capped run). First, the capped runs of ``to_cap``'s rows, measured before (a
+    resumed run's)."""
+    for capped in capped_rows(list(to_cap)):
+        yield child_or_failed(device, "--one", json.dumps(capped), threads, capped)
     for row in rows:
         measured = child_or_failed(device, "--one", json.dumps(row), threads, row)
         yield measured
@@ -592,6 +639,8 @@ def _parser() -> Parser:
                         help=f"cuda: run every row again with the allocator capped at its estimate + {100 * CAP_SLACK:.0f}%%")
     parser.add_argument("--traces", type=Path, metavar="DIR",
                         help="cuda: write every uncapped row's allocator actions to DIR/<row>.json.gz (made if missing)")
+    parser.add_argument("--resume", type=Path, metavar="FILE",
+                        help="cuda: carry on FILE, an earlier run's --json cut short, running only what it lacks")
     parser.add_argument("--fake-only", action="store_true", help="cpu: skip the real-mode estimate (faster)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--headline-one", help=argparse.SUPPRESS)
@@ -633,6 +682,16 @@ def check(args: argparse.Namespace) -> str | None:
         return f"--traces {args.traces} is a file: give a folder"
     if args.threads < 0:
         return f"--threads must be at least 0, got {args.threads}"
+    if args.resume is not None:
+        if args.device != "cuda":
+            return "--resume carries on a CUDA run: give --device cuda with it, or leave --resume out"
+        try:
+            earlier = json.loads(args.resume.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return f"--resume {args.resume}: not a JSON file this script wrote ({exc})"
+        if not isinstance(earlier, dict) or not isinstance(earlier.get("rows"), list) \
+                or not isinstance(earlier.get("headline"), list):
+            return f"--resume {args.resume}: not a JSON file this script wrote (no rows and headline lists)"
     if args.json is not None and not args.json.parent.is_dir():
         return f"--json {args.json}: folder {args.json.parent} does not exist"
     if args.json is not None and args.json.is_dir():
@@ -664,9 +723,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     grid = QUICK_GRID if args.quick else CUDA_GRID if args.device == "cuda" else FULL_GRID
     info = run_info(args.device, argv)
-    results, headlines = [], []
+    planned = [{**row, "real_mode": not args.fake_only} for row in plan(grid, args.amp.split(","))]
+    earlier = json.loads(args.resume.read_text()) if args.resume else {"rows": [], "headline": []}
+    if args.resume:
+        problem = resume_problem(earlier, info, planned)
+        if problem:
+            print(f"error: --resume {args.resume}: {problem}", file=sys.stderr)
+            return 2
+        info["resumed_from"] = [*earlier.get("resumed_from", []),
+                                {k: earlier[k] for k in ("date", "argv") if k in earlier}]
+    results, headlines = list(earlier["rows"]), list(earlier["headline"])
+    for h in headlines:
+        print(format_headline(h), "(carried)", flush=True)
     if args.device == "cuda" and not args.no_headline:  # first: a run cut short keeps it
-        for h in run_headlines(HEADLINE_AMPS, args.threads):
+        done = {h["amp"] for h in headlines}
+        for h in run_headlines([amp for amp in HEADLINE_AMPS if amp not in done], args.threads):
             headlines.append(h)
             print(format_headline(h), flush=True)
             _save(args.json, info, results, headlines)
@@ -674,11 +745,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{' real MiB' if args.device == 'cpu' else ''} {'meas MiB':>9s} {'error':>8s}", flush=True)
     if args.cap:
         print(f"each row, then capped: the allocator held to its estimate + {100 * CAP_SLACK:.0f}%", flush=True)
-    rows = [{**row, "real_mode": not args.fake_only} for row in plan(grid, args.amp.split(","))]
+    for r in results:
+        print(format_row(r), "(carried)", flush=True)
+    if args.resume:  # even when nothing is left to run, the JSON says so
+        _save(args.json, info, results, headlines)
+    rows, to_cap = still_to_run(planned, results, args.cap)
     if args.traces is not None:
         args.traces.mkdir(parents=True, exist_ok=True)
         rows = [{**row, "trace": str(args.traces / trace_name(row))} for row in rows]
-    for r in run_grid(rows, args.device, args.threads, cap=args.cap):
+    for r in run_grid(rows, args.device, args.threads, cap=args.cap, to_cap=to_cap):
         results.append(r)  # a capped row is the one with cap_bytes
         print(format_row(r), flush=True)
         _save(args.json, info, results, headlines)

@@ -61,9 +61,12 @@ def new_renderer(model: mujoco.MjModel, height: int, width: int) -> mujoco.Rende
     size.offwidth, size.offheight = max(before[0], int(width)), max(before[1], int(height))
     try:
         return mujoco.Renderer(model, int(height), int(width))
-    except mujoco.FatalError as exc:  # e.g. a side longer than the GL's largest framebuffer
+    except mujoco.FatalError as exc:
+        if int(width) <= before[0] and int(height) <= before[1]:  # the model's own buffer: not the size
+            raise ValueError(f"cannot render with this OpenGL ({exc}): set MUJOCO_GL=egl (headless, a GPU "
+                             "or Mesa) or MUJOCO_GL=osmesa, or give glfw a DISPLAY") from None
         raise ValueError(f"cannot render {width}x{height} frames with this OpenGL ({exc}): ask for a "
-                         "smaller size") from None
+                         "smaller size") from None  # e.g. a side longer than the GL's largest framebuffer
     finally:
         size.offwidth, size.offheight = before
 
@@ -250,7 +253,9 @@ class PlanarArmTask(MujocoTask):
     Args:
         control: ``"cartesian"`` (default): the action is the fingertip's
             velocity in the table plane, x then y (right and up in the policy
-            image), ``TIP_SPEED`` m/s at 1; a damped least-squares inverse of
+            image), ``TIP_SPEED`` m/s at 1 (less in poses where a joint would need
+            more than ``gear / damping`` rad/s: the command is scaled down whole, keeping
+            its direction); a damped least-squares inverse of
             the arm's Jacobian turns it into joint commands, as an end-effector
             controller on a real arm would. The same action moves the fingertip
             the same way in every arm pose, which makes the pixels-to-action
@@ -261,7 +266,7 @@ class PlanarArmTask(MujocoTask):
     (wrapped to [-pi, pi)), elbow angle, shoulder and elbow velocities (rad/s).
     """
 
-    TIP_SPEED = 0.5  # m/s of the fingertip at |action| = 1 (cartesian control)
+    TIP_SPEED = 0.5  # m/s of the fingertip at |action| = 1 (cartesian control), where no joint tops out
     DLS_DAMPING = 1e-3  # squared damping of the Jacobian inverse, m^2: tames singular poses
     STATE_HIGH = (np.pi, np.pi, 10.0, 10.0)  # the damped joints top out near 3 rad/s
 

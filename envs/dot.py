@@ -60,7 +60,10 @@ class DotReachEnv(gym.Env):
         if self.discrete:
             move = _MOVES[int(action)]
         else:
-            move = np.clip(np.asarray(action, dtype=np.float32).reshape(2), -1.0, 1.0)
+            move = np.asarray(action, dtype=np.float32).reshape(2)
+            # as MuJoCo does with a non-finite control: NaN moves nothing (and must not stay in the
+            # dot's position for the rest of the episode); inf is clipped like any large action
+            move = np.clip(np.nan_to_num(move, nan=0.0, posinf=1.0, neginf=-1.0), -1.0, 1.0)
         before = self._distance()
         self.dot = np.clip(self.dot + self.speed * move, 0.0, 1.0).astype(np.float32)
         self.last_move = move.astype(np.float32)

@@ -7,7 +7,7 @@ can nudge it step by step; a ring fence keeps it where the finger can always
 get behind it.
 
 - Action, float32[2] in [-1, 1]: fingertip velocity x, y (``control=
-  "cartesian"``, the default, 0.5 m/s at 1) or shoulder and elbow motor
+  "cartesian"``, the default, up to 0.5 m/s at 1) or shoulder and elbow motor
   commands (``control="joint"``); see :class:`~visppo_envs._mujoco_task.PlanarArmTask`.
 - ``state`` (``obs_mode="pixels_state"``), float32[4]: shoulder angle
   (wrapped to [-pi, pi)), elbow angle, shoulder and elbow velocities (rad/s).

@@ -236,6 +236,23 @@ def test_frames_larger_than_the_models_offscreen_buffer_render():
     env.close()
 
 
+def test_a_gl_that_cannot_render_at_all_is_not_blamed_on_the_size(monkeypatch):
+    """A missing or broken OpenGL fails at any size: the message names MUJOCO_GL, not the size."""
+    env = fake_env()
+    env.reset(seed=0)
+
+    def no_gl(*args, **kwargs):
+        raise mujoco.FatalError("an OpenGL platform library has not been loaded into this process")
+
+    monkeypatch.setattr(mujoco, "Renderer", no_gl)
+    with pytest.raises(ValueError, match=r"cannot render with this OpenGL .*set MUJOCO_GL=egl") as info:
+        env.render_view(width=48, height=40)
+    assert "smaller size" not in str(info.value)
+    with pytest.raises(ValueError, match=r"cannot render 100000x64 frames .*: ask for a smaller size"):
+        env.render_view(width=100_000, height=64)
+    env.close()
+
+
 def test_camera_by_index_or_name_and_bad_ones_refused():
     assert fake_env().camera == 0 and fake_env(camera="top").camera == 1 and fake_env(camera="1").camera == 1
     with pytest.raises(ValueError, match="no camera named"):

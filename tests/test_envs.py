@@ -38,6 +38,20 @@ def test_dot_reach_rewards_moving_onto_the_target():
     assert success and total > 1.0
 
 
+def test_dot_reach_moves_nothing_on_a_nan_action_and_clips_an_infinite_one():
+    """As MuJoCo treats a non-finite control: one NaN action must not leave NaN in the dot's
+    position (and so in every later state and reward of the episode)."""
+    env = DotReachEnv(obs_mode="pixels_state")
+    env.reset(seed=0)
+    start = env.dot.copy()
+    obs, reward, *_ = env.step(np.array([np.nan, np.nan], np.float32))
+    assert np.array_equal(env.dot, start) and reward == pytest.approx(0.1 if env._inside() else 0.0)
+    obs, reward, *_ = env.step(np.zeros(2, np.float32))
+    assert np.isfinite(obs["state"]).all() and np.isfinite(reward)
+    env.step(np.array([np.inf, -np.inf], np.float32))
+    assert np.allclose(env.dot, np.clip(start + env.speed * np.array([1, -1]), 0, 1))
+
+
 def test_vector_env_gives_stacked_uint8_chw_frames_and_state():
     cfg = load_config(None, [DOT, "ppo.num_envs=3", "env.frame_stack=4", "env.state=true", "env.image_size=48"])
     envs = make_vector_env(cfg)

@@ -18,15 +18,18 @@ def test_bench_devices_times_each_device_and_recommends_a_placement():
     assert "recommended: train.device=" in text
 
 
-def test_bench_devices_resolves_an_auto_micro_batch_as_training_does():
+@pytest.mark.parametrize("amp", ["auto", "fp16"])
+def test_bench_devices_resolves_an_auto_micro_batch_as_training_does(amp):
     """memory.micro_batch_size=auto: the probe's size for memory.budget on each device (fake mode,
-    as `visppo train` asks it), not a ValueError."""
+    as `visppo train` asks it), not a ValueError; in the precision each row is timed in (fp16's
+    CPU row is the CPU's own choice, not a ConfigError)."""
     from visppo.probe import probe
 
-    auto = {"memory.micro_batch_size": "auto", "memory.budget": "10MiB", "ppo.minibatch_size": 64}
+    auto = {"memory.micro_batch_size": "auto", "memory.budget": "10MiB", "ppo.minibatch_size": 64, "train.amp": amp}
     cfg = load_config(None, tiny_overrides(**auto))
     [row] = [r for r in bench_devices(cfg, repeats=1)["rows"] if r["device"] == "cpu"]
-    expected = probe(cfg, cfg.memory.budget, "cpu", mode="fake").micro_batch_size
+    cpu_cfg = load_config(None, tiny_overrides(**{**auto, "train.amp": "auto"}))
+    expected = probe(cpu_cfg, cfg.memory.budget, "cpu", mode="fake").micro_batch_size
     assert row["micro_batch"] == expected and 0 < expected < cfg.ppo.minibatch_size
 
 

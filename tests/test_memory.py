@@ -168,6 +168,7 @@ def test_is_oom_rejects_other_errors():
     (0, "0 B"), (512, "512 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (1536, "1.50 KiB"),
     (12 * MIB, "12.0 MiB"), (100 * MIB, "100 MiB"), (int(1.5 * 2**30), "1.50 GiB"),
     (8 * 2**30, "8.00 GiB"), (-3 * MIB, "-3.00 MiB"), (5 * 2**40, "5.00 TiB"),
+    (MIB - 1, "1.00 MiB"), (2**30 - 300, "1.00 GiB"),  # rounded up to the next unit, not "1024 KiB"
 ])
 def test_format_bytes(n, text):
     assert format_bytes(n) == text

@@ -21,6 +21,19 @@ def test_resolve_precision_on_the_cpu():
         resolve_precision("fp16", CPU)
 
 
+@pytest.mark.parametrize("capability, dtype", [((7, 5), torch.float16), ((8, 0), torch.bfloat16),
+                                               ((9, 0), torch.bfloat16)])
+def test_auto_on_a_gpu_is_bf16_where_the_card_has_bf16_units_and_fp16_before_them(monkeypatch, capability, dtype):
+    """A T4 or V100 runs bf16 only emulated (torch's is_bf16_supported() says yes all the same):
+    auto is fp16 there, asked of the device given (a torchrun rank's), not the current one."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or capability)
+    assert autocast_dtype("auto", torch.device("cuda", 1)) == dtype
+    assert asked == [torch.device("cuda", 1)]
+
+
 def test_acting_on_the_train_device_uses_the_update_precision():
     run = for_run(TrainConfig(amp="bf16"), CPU, CPU)
     assert run.acting is run.update and not run.recompute_logp_old

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import platform
 import statistics
+from dataclasses import replace
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +61,8 @@ def micro_batch_on(cfg: Config, device: torch.device) -> int:
     probe for the largest under ``memory.budget`` (fake mode), as ``visppo train`` does at start-up."""
     if cfg.memory.micro_batch_size != "auto":
         return cfg.micro_batch
+    if cfg.train.amp == "fp16" and device.type != "cuda":  # the precision the row is timed in
+        cfg = replace(cfg, train=replace(cfg.train, amp="auto"))
     return probe(cfg, cfg.memory.budget, str(device), mode="fake").micro_batch_size
 
 

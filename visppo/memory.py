@@ -241,7 +241,7 @@ def format_bytes(n: int) -> str:
     sign = "-" if n < 0 else ""
     value = float(abs(n))
     unit = 0
-    while value >= 1024 and unit < len(_UNITS) - 1:
+    while round(value) >= 1024 and unit < len(_UNITS) - 1:  # 1023.7 KiB is 1.00 MiB, not "1024 KiB"
         value /= 1024
         unit += 1
     if unit == 0:

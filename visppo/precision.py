@@ -69,7 +69,10 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
     """``train.amp`` on ``device`` -> the autocast dtype (None: fp32); ConfigError if impossible."""
     if amp == "auto":
         if device.type == "cuda":  # the probe asks without a GPU: assume one of the last years (Ampere+)
-            amp = "bf16" if not torch.cuda.is_available() or torch.cuda.is_bf16_supported() else "fp16"
+            # the card's own bf16 units (compute capability 8, Ampere, on): is_bf16_supported()
+            # also says yes where bf16 is only emulated, and asks the current device, not this one
+            native = not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] >= 8
+            amp = "bf16" if native else "fp16"
         else:
             amp = "off"
     if amp == "fp16" and device.type != "cuda":

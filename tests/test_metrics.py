@@ -190,3 +190,52 @@ def test_tensorboard_of_a_resumed_run_drops_the_events_after_its_checkpoint(tmp_
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(128, 128.0), (256, 256.0), (384, -1.0)]
     assert [int(r["global_step"]) for r in csv.DictReader((tmp_path / "metrics.csv").open())] == [128, 256, 384]
+
+
+class _Tracker:
+    """A stand-in for WandbTracker: what it was sent."""
+
+    def __init__(self):
+        self.videos = []
+
+    def log(self, step, scalars):
+        pass
+
+    def video(self, path, step):
+        self.videos.append((path.name, path.read_bytes(), step))
+
+    def close(self):
+        pass
+
+
+def test_a_resumed_run_drops_the_videos_it_redoes_and_sends_their_new_ones(tmp_path):
+    """Videos of iterations after the checkpoint belong to the discarded timeline, as its CSV rows:
+    they go, and the redone iterations' videos are sent (not taken for the ones sent before)."""
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    for n in (2, 4):
+        (videos / f"iter_{n:06d}.mp4").write_bytes(b"old")
+    (videos / "mine.mp4").write_bytes(b"the user's")
+    tracker = _Tracker()
+    logger = Logger(tmp_path, total_steps=512, initial_step=192, tensorboard=False, progress=False,
+                    tracker=tracker, first_iteration=4)  # the checkpoint of iteration 3
+    assert sorted(p.name for p in videos.iterdir()) == ["iter_000002.mp4", "mine.mp4"]
+    (videos / "iter_000004.mp4").write_bytes(b"new")
+    logger.log(256, {"loss": 1.0})
+    logger.close()
+    assert tracker.videos == [("iter_000004.mp4", b"new", 256)]
+
+
+def test_a_resume_refused_for_its_csv_starts_no_tracker(tmp_path, capsys, monkeypatch):
+    """The CSV is checked before W&B starts: a refused resume leaves no W&B run and no files."""
+    import visppo.loop
+
+    code, err = run_main(capsys, "train", *tiny_overrides(tmp_path, **{"run.checkpoint_every": 1}))
+    assert code == 0, err
+    run_dir = tmp_path / "run"
+    (run_dir / "metrics.csv").write_text("step,x\n1,2\n")
+    opened = []
+    monkeypatch.setattr(visppo.loop, "open_tracker", lambda *args: opened.append(args))
+    code, err = run_main(capsys, "train", "--resume", run_dir / "checkpoints" / "iter_000001.pt")
+    assert code == 2 and opened == []
+    one_error_line(err, "not a CSV file visppo wrote")

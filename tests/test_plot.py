@@ -59,6 +59,19 @@ def test_suffix_picks_format(tmp_path):
         plot_runs([a], tmp_path / "curves.xyz")
 
 
+def test_pgf_without_latex_is_refused_before_anything_is_drawn(tmp_path, monkeypatch):
+    """matplotlib writes .pgf through LaTeX: without it, one error, not a traceback after the plot."""
+    import visppo.plot
+
+    a = _run(tmp_path / "run", 5)
+    monkeypatch.setattr(visppo.plot.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match=r"cannot write a plot as '\.pgf'"):
+        plot_runs([a], tmp_path / "curves.pgf")
+    assert not (tmp_path / "curves.pgf").exists()
+    monkeypatch.setattr(visppo.plot.shutil, "which", lambda name: "/usr/bin/" + name)
+    visppo.plot.check_format(tmp_path / "curves.pgf")  # with LaTeX: allowed
+
+
 def test_runs_without_metrics(tmp_path):
     (tmp_path / "bare").mkdir()
     with pytest.raises(ConfigError, match="bare has no metrics.csv"):

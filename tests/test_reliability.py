@@ -77,6 +77,15 @@ def test_the_lock_of_a_sigkilled_process_never_blocks(tmp_path):
         assert (tmp_path / "run" / ".lock").read_text().strip() == str(os.getpid())
 
 
+def test_the_lock_sweeps_an_evaluation_videos_temporary_that_a_kill_left(tmp_path):
+    videos = tmp_path / "run" / "videos"
+    videos.mkdir(parents=True)
+    (videos / ".iter_000002.x1y2z3ab.mp4").write_bytes(b"half a video")
+    (videos / "iter_000001.mp4").write_bytes(b"a whole one")
+    with run_dir_lock(tmp_path / "run"):
+        assert sorted(p.name for p in videos.iterdir()) == ["iter_000001.mp4"]
+
+
 def test_the_lock_is_released_when_a_run_fails(tmp_path, monkeypatch):
     from visppo.loop import train
 

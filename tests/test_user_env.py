@@ -80,6 +80,15 @@ def test_a_healthy_user_env_passes_the_check_and_trains(tmp_path, capsys):
     assert (tmp_path / "run" / "checkpoints" / "latest.pt").is_file()
 
 
+def test_a_new_run_failing_before_its_first_row_leaves_no_run_dir(tmp_path, capsys):
+    """Its TensorBoard events file (opened with the logger) goes with its config.yaml: the
+    directory is removed, and the same run.dir starts afresh with one events file, not two."""
+    args = overrides(tmp_path, "step_raises", 20, **{"run.tensorboard": True})
+    code, err = run_main(capsys, "train", *args)
+    assert code == 1, err
+    assert not (tmp_path / "run").exists(), sorted(p.name for p in (tmp_path / "run").iterdir())
+
+
 @pytest.mark.parametrize("defect", ["step_reward_nan"])
 def test_an_env_failing_in_iteration_2_keeps_the_checkpoint_of_iteration_1(tmp_path, capsys, defect):
     args = overrides(tmp_path, defect, 40, **{"ppo.total_steps": 128, "run.checkpoint_every": 1})

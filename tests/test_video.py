@@ -91,3 +91,21 @@ def test_a_crash_or_no_frame_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="no video frames"), video_writer(tmp_path / "new.gif", fps=10):
         pass
     assert [p.name for p in tmp_path.iterdir()] == ["eval.mp4"]  # no temp file, no empty video
+
+
+@pytest.mark.parametrize("fps, frames, kept", [(30, 60, 60), (15, 45, 45), (12.5, 10, 10), (100, 60, 30), (60, 60, 30)])
+def test_a_gif_plays_in_real_time(tmp_path, fps, frames, kept):
+    """GIF frame times are whole centiseconds (2 at least): they add up to the frames' real time
+    (30 fps: 30, 40, 30 ms...), and above 50 fps every k-th frame is kept."""
+    from PIL import Image
+
+    with video_writer(tmp_path / "v.gif", fps=fps) as writer:
+        for i in range(frames):
+            writer.append(np.full((8, 8, 3), 4 * i, np.uint8))  # each frame differs: Pillow merges equal ones
+    with Image.open(tmp_path / "v.gif") as im:
+        durations = []
+        for i in range(im.n_frames):
+            im.seek(i)
+            durations.append(im.info["duration"])
+    assert len(durations) == kept and min(durations) >= 20
+    assert sum(durations) == pytest.approx(1000 * frames / fps, abs=10)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import platform
 import statistics
-from dataclasses import replace
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np

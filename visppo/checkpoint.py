@@ -468,7 +468,8 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
                                 "wait for it to finish or stop it, or choose another run.dir") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        for stale in [*run_dir.glob(".*.tmp"), *(run_dir / "checkpoints").glob(".*.tmp")]:
+        for stale in [*run_dir.glob(".*.tmp"), *(run_dir / "checkpoints").glob(".*.tmp"),
+                      *(run_dir / "videos").glob(".iter_*")]:  # video.Frames' temporaries
             stale.unlink(missing_ok=True)
         yield
     finally:

@@ -14,6 +14,7 @@ import errno
 import math
 import os
 import secrets
+import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -50,6 +51,7 @@ from visppo.metrics import (
     Logger,
     PhaseTimer,
     Span,
+    WandbTracker,
     check_tracking,
     iteration_profiler,
     open_tracker,
@@ -258,14 +260,18 @@ def has_checkpoint(run_dir: Path) -> bool:
 @contextmanager
 def forget_if_unstarted(run_dir: Path, created: bool) -> Iterator[None]:
     """A new run that ends (an error, a signal) before it logged a row or wrote a checkpoint leaves
-    nothing behind: its config.yaml, policy.json and lock file go (and the directory, if the run made it), so
+    nothing behind: its config.yaml, policy.json, lock file and logs (TensorBoard's events, W&B's files) go
+    (and the directory, if the run made it), so
     the same run.dir starts afresh rather than asking for a resume that has nothing to resume."""
     try:
         yield
     except BaseException:
         if not (run_dir / "metrics.csv").exists() and not (run_dir / "checkpoints").exists():
-            for name in ("config.yaml", SPEC_FILE, ckpt_io.LOCK_FILE):
+            for name in ("config.yaml", SPEC_FILE, ckpt_io.LOCK_FILE, WandbTracker.ID_FILE):
                 (run_dir / name).unlink(missing_ok=True)
+            for events in run_dir.glob("events.out.tfevents.*"):  # TensorBoard's, opened with the logger
+                events.unlink(missing_ok=True)
+            shutil.rmtree(run_dir / "wandb", ignore_errors=True)
             if created:
                 with suppress(OSError):  # not empty: the user's files stay
                     run_dir.rmdir()
@@ -366,7 +372,12 @@ def open_logs(run: Run, resuming: bool) -> None:
         write_spec(run.dir, cfg)  # a resume too, of a run whose policy.json was never written
     run.logger = Logger(run.dir, run.num_iterations * run.global_rollout, initial_step=run.global_step,
                         tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
-                        tracker=open_tracker(cfg, run.dir, resuming))
+                        first_iteration=run.first_iteration)
+    try:  # after the Logger took the CSV: a resume it refuses starts no W&B run
+        run.logger.tracker = open_tracker(cfg, run.dir, resuming)
+    except BaseException:
+        run.logger.close()
+        raise
     if resuming:  # the directory says what the run now is (a raised ppo.total_steps): tools read it
         atomic_write_text(run.dir / "config.yaml", to_yaml(cfg))
     run.logger.message(

@@ -105,14 +105,18 @@ class Logger:
     """
 
     def __init__(self, run_dir: Path, total_steps: int, initial_step: int = 0,
-                 tensorboard: bool = True, progress: bool = True, tracker: WandbTracker | None = None):
+                 tensorboard: bool = True, progress: bool = True, tracker: WandbTracker | None = None,
+                 first_iteration: int = 1):
         self.csv_path = run_dir / "metrics.csv"
         self.tracker = tracker
         self.videos_dir = run_dir / "videos"
-        self.videos_seen = set(self._videos())  # a resumed run's earlier videos were sent before
         self.columns: list[str] | None = None
         if self.csv_path.exists() and self.csv_path.stat().st_size:
             self.columns = _drop_rows_after(self.csv_path, initial_step)
+        for video in self._videos():  # a resumed run redoes these iterations: their videos go, as their rows
+            if _video_iteration(video) >= first_iteration:
+                video.unlink()
+        self.videos_seen = set(self._videos())  # a resumed run's earlier videos were sent before
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -230,6 +234,14 @@ def _other_wandb_runs() -> bool:
         return wandb_setup.singleton().most_recent_active_run is not None
     except Exception:  # noqa: BLE001 - a wandb without it: leave the service alone
         return True
+
+
+def _video_iteration(path: Path) -> float:
+    """The iteration of ``videos/iter_N.mp4``; a name visppo did not write counts as before every one."""
+    try:
+        return int(path.stem.removeprefix("iter_"))
+    except ValueError:
+        return -math.inf
 
 
 def _step(cell: str) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -97,10 +98,13 @@ def _labels(run_dirs: list[Path]) -> list[str]:
 
 def check_format(out: Path) -> None:
     """A ConfigError unless matplotlib can write an image with ``out``'s suffix."""
+    import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    kinds = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    kinds = dict(FigureCanvasAgg(Figure()).get_supported_filetypes())  # a copy: matplotlib's own dict
+    if shutil.which(matplotlib.rcParams["pgf.texsystem"]) is None:  # matplotlib writes pgf through LaTeX
+        kinds.pop("pgf", None)
     if out.suffix[1:].lower() not in kinds:
         raise ConfigError(f"cannot write a plot as '{out.suffix}': use one of "
                           f"{', '.join('.' + k for k in sorted(kinds))}")

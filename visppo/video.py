@@ -20,6 +20,7 @@ from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
+from PIL import Image
 
 from visppo.atomic import file_mode
 from visppo.errors import UserError
@@ -131,11 +132,13 @@ class Frames:
 
     def _open(self, fps: float) -> None:
         suffix = self.path.suffix.lower()
-        if suffix == ".gif":
-            import imageio.v3 as iio
-
-            self._gif = iio.imopen(self.tmp, "w", plugin="pillow", extension=".gif")
-            self._gif_duration = int(round(1000 / fps))
+        if suffix == ".gif":  # Pillow holds a GIF's frames until it writes them all, as imageio's plugin does
+            self._gif, self._gif_durations = [], []
+            # GIF frame times are whole centiseconds, 2 at least (viewers slow shorter ones): above
+            # 50 fps every k-th frame is kept, and each kept frame lasts the centiseconds that bring
+            # the video's clock to its real time (30 fps: 3, 3, 4, ...)
+            self._gif_every = math.ceil(fps / 50)
+            self._gif_fps = fps / self._gif_every
             self._writer = None
         else:
             import imageio.v2 as iio2
@@ -147,14 +150,21 @@ class Frames:
 
     def append(self, frame: np.ndarray) -> None:
         if self._gif is not None:
-            self._gif.write(frame, duration=self._gif_duration, loop=0)
+            if self.frames % self._gif_every == 0:
+                kept = self.frames // self._gif_every
+                centiseconds = round(100 * (kept + 1) / self._gif_fps) - round(100 * kept / self._gif_fps)
+                self._gif.append(Image.fromarray(frame))
+                self._gif_durations.append(10 * centiseconds)
         else:
             self._writer.append_data(frame)
         self.frames += 1
 
     def close(self) -> None:
         if self._gif is not None:
-            self._gif.close()
+            if self._gif:  # each frame its own time (imageio's plugin gives every frame the last one's)
+                self._gif[0].save(self.tmp, format="GIF", save_all=True, append_images=self._gif[1:],
+                                  duration=self._gif_durations, loop=0)
+            self._gif = []
         else:
             self._writer.close()
 

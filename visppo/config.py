@@ -163,7 +163,7 @@ class TrainConfig:
     device: str = "auto"
     """cpu | cuda | cuda:N | auto (cuda when available)."""
     amp: str = "auto"
-    """off | bf16 | fp16 | auto: mixed precision; auto is bf16 on a CUDA GPU with bf16 (fp16 on older ones) and off (fp32) on a CPU. fp16 is CUDA only."""
+    """off | bf16 | fp16 | auto: mixed precision; auto is bf16 on a CUDA GPU with bf16 units (compute capability 8 on; fp16 on older ones) and off (fp32) on a CPU. fp16 is CUDA only."""
     channels_last: bool = True
     """Run convolutions in channels_last memory format (much faster on CPU); the rollout buffer keeps frames in it too."""
     seed: int = 1

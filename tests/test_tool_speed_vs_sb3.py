@@ -83,6 +83,9 @@ def test_the_placement_is_saved_before_the_first_timed_run(tmp_path, capsys, mon
     (["--visppo", "ppo.num_envs=4"], "matched sizes"),
     (["--visppo", "train.amp"], "KEY=VALUE"),
     (["--visppo", "ppo.gamma=2"], "ppo.gamma"),
+    (["--visppo", "env.action_repeat=4"], "would change visppo's work and not SB3's"),
+    (["--visppo", "ppo.target_kl=0.01"], "would change visppo's work and not SB3's"),
+    (["--device", "cpu", "--visppo", "train.amp=fp16"], "fp16 needs a CUDA device"),
     (["--config", TOOLS.parent / "configs" / "dot_reach.yaml"], "pixel Reacher-v5"),
     (["--config", "no/such.yaml"], "no such file"),
     (["--device", "tpu"], "--device"),
@@ -97,24 +100,38 @@ def test_bad_input_is_one_error_line_exit_2_and_no_json(tmp_path, capsys, args, 
 def test_a_missing_json_folder_is_refused(tmp_path, capsys):
     code, _, err = call(capsys, "--json", tmp_path / "nowhere" / "speed.json")
     assert code == 2 and one_error_line(err, "does not exist")
+    code, _, err = call(capsys, "--json", tmp_path)
+    assert code == 2 and one_error_line(err, "is a folder")
 
 
-def test_cuda_without_a_gpu_exits_2(tmp_path, capsys, monkeypatch):
+def test_a_config_that_gives_visppo_other_work_than_sb3s_is_refused(tmp_path, capsys):
+    config = tmp_path / "repeat.yaml"
+    config.write_text((TOOLS.parent / "configs" / "reacher_pixels.yaml").read_text().replace(
+        "  frame_stack: 1\n", "  frame_stack: 1\n  action_repeat: 2\n"))
+    code, text, err = call(capsys, "--config", config, "--json", tmp_path / "speed.json")
+    assert code == 2 and text == "" and not (tmp_path / "speed.json").exists()
+    one_error_line(err, "env.action_repeat=2", "SB3's side has 1")
+
+
+def test_sb3s_seeding_leaves_cudnn_as_visppo_runs_it(monkeypatch):
+    """On a GPU SB3's seed switches cuDNN to its deterministic algorithms (slower), for SB3 alone:
+    the timed SB3 run puts it back to what visppo's train.deterministic (off) gives."""
+    pytest.importorskip("stable_baselines3", reason="the SB3 comparison needs stable-baselines3")
+    import stable_baselines3.common.base_class as base
     import torch
+    from stable_baselines3 import PPO
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    out = tmp_path / "speed.json"
-    code, text, err = call(capsys, "--device", "cuda", "--json", out)
-    assert code == 2 and text == "" and not out.exists()
-    one_error_line(err, "--device cuda", "--device cpu")
+    tool()
+    import bench_sb3
 
+    def as_on_a_gpu(seed, using_cuda=False):
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
-def test_without_stable_baselines3_it_says_how_to_install_it(tmp_path, capsys, monkeypatch):
-    module = tool()
-    real = module.importlib.util.find_spec
-    monkeypatch.setattr(module.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "stable_baselines3" else real(name, *a))
-    out = tmp_path / "speed.json"
-    code, text, err = call(capsys, "--json", out)
-    assert code == 2 and text == "" and not out.exists()
-    one_error_line(err, "pip install stable-baselines3")
+    monkeypatch.setattr(base, "set_random_seed", as_on_a_gpu)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    seen, real_learn = [], PPO.learn
+    monkeypatch.setattr(PPO, "learn", lambda self, *a, **k: seen.append(torch.backends.cudnn.deterministic)
+                        or real_learn(self, *a, **k))
+    monkeypatch.setenv("MUJOCO_GL", "egl")
+    bench_sb3.run(1, 1, 0, num_envs=1, n_steps=16, batch_size=16, n_epochs=1)
+    assert seen == [False]

@@ -10,11 +10,12 @@ for ``env.id=Reacher-v5 env.pixels=true``: gymnasium's AddRenderObservation),
 4 epochs. Prints end-to-end env steps/s: the median over iterations (the first
 left out) of each run, then the median over runs; and the median time per
 iteration spent collecting (rollout start to end) and the rest (the update).
-Compare with
+Compare ``--render-samples 0`` with
 
     python tools/bench.py configs/reacher_pixels.yaml
 
-which trains visppo with the same sizes and network.
+which trains visppo with the same sizes and network and the same renderer setting (no
+anti-aliasing; the default -1 keeps Reacher-v5's 4 samples, which render slower).
 """
 
 from __future__ import annotations
@@ -41,10 +42,14 @@ def make_env(render_samples: int = -1):
 
 def run(iterations: int, threads: int, render_samples: int, *, num_envs: int = 2, n_steps: int = 256,
         batch_size: int = 64, n_epochs: int = 4, frame_stack: int = 1, device: str = "cpu",
-        seed: int = 0) -> tuple[float, float, float]:
+        seed: int = 0, deterministic: bool = False) -> tuple[float, float, float]:
     """One run of ``iterations`` timed iterations after a warm-up one: (end-to-end steps/s, collect
     seconds, update seconds), medians over the timed iterations. The defaults are this script's
-    sizes; tools/speed_vs_sb3.py passes its own (more envs, 3 stacked frames, a GPU)."""
+    sizes; tools/speed_vs_sb3.py passes its own (more envs, 3 stacked frames, a GPU).
+
+    SB3's seeding switches cuDNN to its deterministic algorithms (and benchmark off) on a GPU;
+    ``deterministic`` sets them back as visppo runs with ``train.deterministic``: off, torch's
+    defaults, unless asked."""
     import torch
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
@@ -79,6 +84,8 @@ def run(iterations: int, threads: int, render_samples: int, *, num_envs: int = 2
     try:
         model = PPO("CnnPolicy", envs, n_steps=n_steps, batch_size=batch_size, n_epochs=n_epochs, seed=seed,
                     device=device, verbose=0)
+        torch.backends.cudnn.deterministic = deterministic  # SB3's set_random_seed turned it on
+        torch.backends.cudnn.benchmark = False
         clock = IterationClock()
         model.learn(total_timesteps=(iterations + 1) * rollout, callback=clock)
     finally:

@@ -68,6 +68,15 @@ GOAL = 3.0  # issue 58: visppo >= 3x SB3's end-to-end steps/s on a GPU
 MATCHED = ("env.id", "env.pixels", "env.image_size", "env.frame_stack", "env.render_samples", "model.encoder",
            "model.feature_dim", "ppo.num_envs", "ppo.num_steps", "ppo.minibatch_size", "ppo.num_epochs",
            "train.device", "train.seed", "train.threads")
+# what else --visppo may set: how visppo runs the same work (precision, memory layout, placement),
+# never what the work is; train.deterministic goes to SB3's cuDNN settings as well
+TUNABLE = ("train.amp", "train.channels_last", "train.deterministic", "memory.", "rollout.", "env.vector",
+           "model.encoder_checkpointing")
+# what SB3's side does and visppo's config must do too (a --config may set them): one frame a step,
+# pixels only, the env's own camera and time limit, every epoch run, one encoder trained from scratch
+SB3_SIDE = {"env.action_repeat": 1, "env.state": False, "env.camera": "", "env.max_episode_steps": 0,
+            "ppo.target_kl": 0.0, "model.share_encoder": True, "model.freeze_encoder_updates": 0,
+            "model.resize": 0, "model.encoder_weights": "none"}
 
 
 class Parser(argparse.ArgumentParser):
@@ -115,8 +124,13 @@ def parse(argv: list[str] | None):
         if "=" not in item or key in MATCHED:
             raise BadInput(f"--visppo {item}: give KEY=VALUE for a key other than the matched sizes "
                            f"({', '.join(MATCHED)}); set those with this script's own options")
+        if not key.startswith(TUNABLE):
+            raise BadInput(f"--visppo {item}: {key} would change visppo's work and not SB3's; --visppo sets only "
+                           f"how visppo runs it ({', '.join(k + ('*' if k.endswith('.') else '') for k in TUNABLE)})")
     if ns.json is not None and not ns.json.parent.is_dir():
         raise BadInput(f"--json {ns.json}: folder {ns.json.parent} does not exist")
+    if ns.json is not None and ns.json.is_dir():
+        raise BadInput(f"--json {ns.json} is a folder: give a file name, e.g. {ns.json / 'speed_vs_sb3.json'}")
     device = ns.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -131,8 +145,14 @@ def parse(argv: list[str] | None):
                  f"train.seed={ns.seed}", f"train.threads={ns.threads}", *ns.visppo]
     try:
         cfg = load_config(str(ns.config), overrides)
+        resolve_precision(cfg.train.amp, torch.device(device))  # fp16 on a CPU, say: refused before anything runs
     except UserError as exc:
         raise BadInput(str(exc)) from None
+    for key, sb3 in SB3_SIDE.items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) != sb3:
+            raise BadInput(f"--config {ns.config} sets {key}={getattr(getattr(cfg, section), name)!r}, where SB3's "
+                           f"side has {sb3!r}: the two would do different work; use a config without it")
     if cfg.env.id != "Reacher-v5" or not cfg.env.pixels:
         raise BadInput(f"--config {ns.config} trains {cfg.env.id} (pixels={cfg.env.pixels}): the comparison is "
                        "pixel Reacher-v5 (env.id=Reacher-v5, env.pixels=true), as SB3's side builds it")
@@ -157,7 +177,8 @@ def sb3_run(cfg, iterations: int, device: str) -> dict:
     """One SB3 run (its own spawned process) with the sizes of ``cfg``."""
     fn = functools.partial(bench_sb3.run, num_envs=cfg.ppo.num_envs, n_steps=cfg.ppo.num_steps,
                            batch_size=cfg.ppo.minibatch_size, n_epochs=cfg.ppo.num_epochs,
-                           frame_stack=cfg.env.frame_stack, device=device, seed=cfg.train.seed)
+                           frame_stack=cfg.env.frame_stack, device=device, seed=cfg.train.seed,
+                           deterministic=cfg.train.deterministic)
     rate, collect, update = isolated(fn, iterations, cfg.train.threads, cfg.env.render_samples)
     return {"steps_per_s": rate, "collect_s": collect, "update_s": update}
 
@@ -194,6 +215,7 @@ def figures(ns, cfg, device: str, visppo_runs: list[dict], sb3_runs: list[dict],
                    "amp": resolve_precision(cfg.train.amp, torch.device(device)).name.replace("off", "fp32"), "runs": visppo_runs},
         "sb3": {"policy": "CnnPolicy", "vec_env": f"VecFrameStack(SubprocVecEnv forkserver, {cfg.env.frame_stack})",
                 "amp": "fp32", "runs": sb3_runs},
+        "cudnn_deterministic": cfg.train.deterministic,  # both sides (SB3's seed would switch it on for SB3 alone)
         "definitions": {"steps_per_s": "env steps per second end to end, median over timed iterations, then runs",
                         "collect_s": "seconds per iteration collecting (SB3: with its last-value and GAE pass)",
                         "update_s": "the rest of the iteration: values, update, logging"},

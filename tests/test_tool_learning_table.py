@@ -101,6 +101,22 @@ def test_plot_wraps_panels_into_rows(tmp_path, capsys):
     assert (width, height) == (round(4.5 * lt.PANELS_PER_ROW * 110), round(3.5 * 2 * 110))
 
 
+def test_a_seed_still_training_does_not_cut_the_others_curves_short():
+    """The band runs to the longest run; past a shorter one's last row, the seeds that got there."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    ax = Figure().subplots()
+    long = [{"global_step": float(s), "r": float(s)} for s in range(0, 500_001, 50_000)]
+    short = [{"global_step": float(s), "r": float(s) + 10} for s in (0, 1024, 2048)]
+    lt._band(ax, [long, short], "r", "")
+    [line] = ax.get_lines()
+    x, y = line.get_data()
+    assert x[-1] == 500_000 and y[-1] == 500_000  # the long seed alone at its end
+    assert y[0] == 5  # both seeds at the start
+    assert np.isfinite(y).all()
+
+
 def test_a_crash_while_writing_the_markdown_or_the_plot_keeps_the_old_file_whole(tmp_path, capsys, monkeypatch):
     """--markdown and --plot go through visppo.atomic: a write that dies part way (here a full disk
     at the markdown's flush, a savefig that stops half way) leaves the previous file as it was."""
@@ -143,11 +159,59 @@ def test_table_per_seed_lists_each_seeds_return_in_seed_order(tmp_path, capsys):
     code, text, err = table(capsys, out, "--at", "2k", "--per-seed", "--reps", "100")
     assert code == 0, err
     curve, final = rows_of(text, "swingup")
-    assert curve[4] == "20.00 ± 10.00 (10, 20, 30)"
+    assert curve[4] == "20.00 ± 10.00 (1: 10, 2: 20, 10: 30)"
     assert curve[6] == ""  # no periodic evaluation logged: the cell stays empty, with no seed list
-    assert final[6] == "21.00 ± 10.00 (11, 21, 31)"
+    assert final[6] == "21.00 ± 10.00 (1: 11, 2: 21, 10: 31)"
     code, text, _ = table(capsys, out, "--at", "2k", "--reps", "100")
-    assert "20.00 ± 10.00 |" in text and "(10, 20, 30)" not in text
+    assert "20.00 ± 10.00 |" in text and "10: 30" not in text
+
+
+def test_only_seed_folders_are_seeds_and_one_seed_twice_is_refused(tmp_path, capsys):
+    """A run moved aside beside the others (seed2_old) is not a third seed; seed1 and seed01 are one."""
+    out = tmp_path / "t"
+    for name, ret in (("seed1", 10.0), ("seed3", 30.0), ("seed2_old", 99.0)):
+        fake_run(out / "swingup" / name, "dmc:cartpole-swingup", 2000, [(2000, ret, "")], final=ret)
+    code, text, err = table(capsys, out, "--at", "2k", "--per-seed", "--reps", "100")
+    assert code == 0, err
+    curve, final = rows_of(text, "swingup")
+    assert curve[3] == "2" and curve[4] == "20.00 ± 14.14 (1: 10, 3: 30)"
+    fake_run(out / "swingup" / "seed01", "dmc:cartpole-swingup", 2000, [(2000, 5.0, "")], final=5.0)
+    code, _, err = table(capsys, out, "--at", "2k")
+    assert code == 2 and one_error_line(err, "seed01", "seed1", "one seed twice")
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"deterministic": False}, "is not the final evaluation (deterministic=False"),
+    ({"seed": 7}, "seed=7"),
+    ({"env_overrides": ["env.kwargs.look=published"]}, "evaluated in a changed env (env.kwargs.look=published)"),
+    ({"env_id": "dmc:cheetah-run"}, "evaluated dmc:cheetah-run, where the run trained on dmc:cartpole-swingup"),
+    ({"global_step": 1024}, "evaluated step 1,024, before the run's ppo.total_steps 2,000"),
+])
+def test_an_evaluation_that_is_not_the_final_policys_is_refused(tmp_path, capsys, change, needle):
+    """A hand-run `visppo eval RUN --json RUN/final_eval.json` of another checkpoint, look or
+    stream must not stand in the final table as the final policy's."""
+    run = tmp_path / "t" / "swingup" / "seed1"
+    fake_run(run, "dmc:cartpole-swingup", 2000, [(2000, 1.0, "")], final=1.0)
+    good = {"mean_return": 1.0, "episodes": 10, "deterministic": True, "seed": 0, "env_overrides": [],
+            "env_id": "dmc:cartpole-swingup", "global_step": 2048}
+    (run / "final_eval.json").write_text(json.dumps(good))
+    assert table(capsys, tmp_path / "t", "--at", "2k", "--reps", "100")[0] == 0
+    (run / "final_eval.json").write_text(json.dumps({**good, **change}))
+    code, _, err = table(capsys, tmp_path / "t", "--at", "2k")
+    assert code == 2 and one_error_line(err, "final_eval.json", needle)
+
+
+def test_seeds_of_one_row_with_another_look_or_budget_are_refused(tmp_path, capsys):
+    out = tmp_path / "t"
+    fake_run(out / "swingup" / "seed1", "dmc:cartpole-swingup", 2000, [(2000, 1.0, "")], look="fast", final=1.0)
+    fake_run(out / "swingup" / "seed2", "dmc:cartpole-swingup", 2000, [(2000, 1.0, "")], final=1.0)
+    code, _, err = table(capsys, out, "--at", "2k")
+    assert code == 2 and one_error_line(err, "differ in look (fast and published)", "one row of the table is one")
+    fake_run(out / "balance" / "seed1", "dmc:cartpole-balance", 2000, [(2000, 1.0, "")], look="fast")
+    fake_run(out / "balance" / "seed2", "dmc:cartpole-balance", 4000, [(4000, 1.0, "")], look="fast")
+    (out / "swingup").rename(tmp_path / "away")
+    code, _, err = table(capsys, out, "--at", "2k")
+    assert code == 2 and one_error_line(err, "differ in ppo.total_steps (2000 and 4000)")
 
 
 def test_published_figures_stand_beside_the_row_that_reaches_their_budget():
@@ -584,6 +648,13 @@ def test_a_run_resumed_with_an_allowed_override_still_matches_but_another_budget
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     with pytest.raises(lt.UsageError, match="was started with ppo.total_steps="):
         lt.check_existing_runs([config], [1], out, [])
+    # a kept copy is held to the same: run would skip its seed and the table would mix two settings
+    keep = tmp_path / "kept"
+    keep.mkdir()
+    (out / "dot_reach").rename(keep / "dot_reach")
+    lt.check_existing_runs([config], [1], out, [])  # without --keep, nothing under --out
+    with pytest.raises(lt.UsageError, match=r"kept.*was started with ppo.total_steps="):
+        lt.check_existing_runs([config], [1], out, [], keep)
 
 
 def test_the_iqm_line_names_the_runs_left_out_when_the_tasks_share_no_seed():

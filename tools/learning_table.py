@@ -62,6 +62,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -137,9 +138,11 @@ def train_command(config: Path, seed: int, run_dir: Path, overrides: list[str]) 
     return [*visppo, str(config), *given]
 
 
-def check_existing_runs(configs: list[Path], seeds: list[int], out: Path, overrides: list[str]) -> None:
-    """A run folder already under ``out`` must be the run this command would start: else ``run``
-    would count it finished, or resume it, with its old settings, and the table would mix two. The
+def check_existing_runs(configs: list[Path], seeds: list[int], out: Path, overrides: list[str],
+                        keep: Path | None = None) -> None:
+    """A run folder already under ``out`` (or kept under ``keep``, which ``run`` then skips) must be
+    the run this command would start: else ``run`` would count it finished, or resume it, with its
+    old settings, and the table would mix two. The
     keys a resume may change (``train.threads``, ``run.*``, the devices) may differ, and the resume
     is given this command's; ``ppo.total_steps`` and ``train.amp`` may not (one table, one budget and
     one precision)."""
@@ -149,8 +152,8 @@ def check_existing_runs(configs: list[Path], seeds: list[int], out: Path, overri
     free = {"run.dir", *RESUMABLE} - {"ppo.total_steps", "train.amp"}
 
     for seed in seeds:
-        for config in configs:
-            run_dir = run_dir_of(out, config, seed)
+        for config, folder in ((c, f) for c in configs for f in (out, keep) if f is not None):
+            run_dir = run_dir_of(folder, config, seed)
             saved = run_dir / "config.yaml"
             if not saved.is_file():
                 continue
@@ -315,10 +318,13 @@ def wall_minutes(rows: list[dict[str, float]], step: int) -> float:
     return total / 60
 
 
+SEED_FOLDER = re.compile(r"seed(\d+)")
+"""A run folder's name: ``seed<S>``; any other folder beside them (``seed2_old``) is not a run of the table."""
+
+
 def seed_number(run_dir: Path) -> int:
     """'seed12' -> 12, so seeds sort as numbers (seed2 before seed10)."""
-    digits = run_dir.name.removeprefix("seed")
-    return int(digits) if digits.isdigit() else 0
+    return int(SEED_FOLDER.fullmatch(run_dir.name).group(1))
 
 
 def groups(outs: list[Path]) -> list[tuple[str, str, list[Path]]]:
@@ -327,8 +333,8 @@ def groups(outs: list[Path]) -> list[tuple[str, str, list[Path]]]:
     found = []
     for out in outs:
         for group in sorted(p for p in out.iterdir() if p.is_dir()):
-            runs = sorted((d for d in group.glob("seed*") if (d / "metrics.csv").is_file()),
-                          key=seed_number)
+            runs = sorted((d for d in group.glob("seed*") if SEED_FOLDER.fullmatch(d.name)
+                           and (d / "metrics.csv").is_file()), key=seed_number)
             if runs:
                 found.append((group.name, out.name if len(outs) > 1 else "", runs))
     return sorted(found, key=lambda g: g[0])  # a config's variants together, in the folders' order
@@ -350,16 +356,59 @@ def check_folders(outs: list[Path]) -> None:
             raise UsageError(f"{out} holds no runs: give the --out folder of learning_table.py run "
                              "(OUT/<config>/seed<S>/metrics.csv)")
     for _, _, runs in found:
+        numbers = [seed_number(run) for run in runs]
+        if len(set(numbers)) < len(numbers):  # seed1 and seed01
+            twice = [str(r) for r in runs if numbers.count(seed_number(r)) > 1]
+            raise UsageError(f"{' and '.join(twice)} are one seed twice: move one away")
         for run in runs:
             if not (run / "config.yaml").is_file():
                 raise UsageError(f"{run} has metrics.csv but no config.yaml: not a run folder that "
                                  "visppo train wrote")
             final = run / FINAL_EVAL
             if final.is_file():
-                try:
-                    float(json.loads(final.read_text())["mean_return"])
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise UsageError(f"{final} is not a visppo eval --json file ({exc!r})") from None
+                problem = final_eval_problem(run, final)
+                if problem:
+                    raise UsageError(f"{final} {problem}: evaluate the finished run with learning_table.py run "
+                                     f"(or {' '.join(eval_command(run, 10)[1:])}), or move that run away")
+        settings = {run: run_settings(run) for run in runs}
+        first = runs[0]
+        for run in runs[1:]:
+            differ = [k for k, v in settings[run].items() if v != settings[first][k]]
+            if differ:  # one row, one env, look and budget
+                what = ", ".join(f"{k} ({settings[first][k]} and {settings[run][k]})" for k in differ)
+                raise UsageError(f"{first} and {run} differ in {what}: one row of the table is one setting; "
+                                 "move one away")
+
+
+def final_eval_problem(run: Path, final: Path) -> str | None:
+    """Why ``final`` is not the final policy's evaluation as ``run`` makes it (None: it is): a
+    deterministic one on evaluation stream :data:`EVAL_SEED`, of the run's last checkpoint, in the
+    env the run trained on. A field an older visppo (or tools/sb3_dmc.py) did not write is not held
+    against it."""
+    try:
+        result = json.loads(final.read_text())
+        float(result["mean_return"])
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"is not a visppo eval --json file ({exc!r})"
+    env_id, _, total = run_env(run)
+    if result.get("deterministic", True) is not True or result.get("seed", EVAL_SEED) != EVAL_SEED:
+        return (f"is not the final evaluation (deterministic={result.get('deterministic')}, "
+                f"seed={result.get('seed')}; the table's are deterministic, seed {EVAL_SEED})")
+    if result.get("env_overrides"):
+        return f"evaluated in a changed env ({', '.join(result['env_overrides'])})"
+    if result.get("env_id", env_id) != env_id:
+        return f"evaluated {result['env_id']}, where the run trained on {env_id}"
+    if result.get("global_step", total) < total:
+        return f"evaluated step {result['global_step']:,}, before the run's ppo.total_steps {total:,}"
+    return None
+
+
+def run_settings(run_dir: Path) -> dict:
+    """What every seed of one row must share: env, look and budget. Not train.amp: config.yaml keeps
+    ``auto``, not what it resolved to on the machine (fp32 on most CPUs, as ``off``); ``run`` holds a
+    table's runs to one precision as it starts them (:func:`check_existing_runs`)."""
+    env_id, look, total = run_env(run_dir)
+    return {"env.id": env_id, "look": look, "ppo.total_steps": total}
 
 
 def look_of(env_id: str, kwargs: dict | None) -> str | None:
@@ -516,11 +565,11 @@ def published_text(figures: list[tuple[str, float, str]]) -> str:
 
 
 def markdown(table: list[dict], per_seed: bool = False) -> str:
-    """The training-curve table; ``per_seed`` adds each seed's return, e.g. ``4.00 ± 1.41 (3, 5)``."""
+    """The training-curve table; ``per_seed`` adds each seed's return, e.g. ``4.00 ± 1.41 (1: 3, 2: 5)`` (seed: return)."""
     def returns(r: dict, column: str) -> str:
         text = cell(r[column])
         if per_seed and text:
-            text += " (" + ", ".join(f"{v:.3g}" for v in r[f"{column}/seeds"].values()) + ")"
+            text += " (" + ", ".join(f"{s.removeprefix('seed')}: {v:.3g}" for s, v in r[f"{column}/seeds"].items()) + ")"
         return text
 
     lines = ["| config | env | steps | seeds | return (train) | success (train) | return (eval) | "
@@ -545,7 +594,7 @@ def final_markdown(final: list[dict], summaries: list[dict], per_seed: bool = Fa
     for r in final:
         text = cell(r["return"])
         if per_seed:
-            text += " (" + ", ".join(f"{v:.3g}" for v in r["seeds"].values()) + ")"
+            text += " (" + ", ".join(f"{s.removeprefix('seed')}: {v:.3g}" for s, v in r["seeds"].items()) + ")"
         episodes = "-".join(str(n) for n in dict.fromkeys((r["episodes"][0], r["episodes"][-1])))
         lines.append(f"| {r['config']} | `{r['env']}` | {r['look']} | {r['budget']:,} | "
                      f"{len(r['seeds'])} | {episodes} | {text} | {cell(r['success']) if r['success'] else ''} | "
@@ -629,21 +678,22 @@ def plot(outs: list[Path], path: Path, column: str = "episode_return") -> None:
 
 
 def _band(ax, runs: list[list[dict[str, float]]], column: str, name: str) -> None:
-    """One variant's mean curve and its +- std band over seeds (sample std, as the tables); a seed
-    with no row yet is left out."""
+    """One variant's mean curve and its +- std band over seeds (sample std, as the tables), as far as
+    its longest run: past a shorter run's last row, the seeds that got there (the band narrows to
+    the line where one is left); a seed with no row yet is left out."""
     import numpy as np
 
     runs = [r for r in runs if r]
     if not runs:
         return
 
-    end = min(r[-1]["global_step"] for r in runs)
+    end = max(r[-1]["global_step"] for r in runs)
     grid = np.linspace(0, end, 100)
     curves = []
     for r in runs:
         points = [(x["global_step"], x[column]) for x in r if math.isfinite(x.get(column, math.nan))]
         xs, ys = zip(*points) if points else ((0.0,), (math.nan,))
-        curves.append(np.interp(grid, xs, ys, left=math.nan))
+        curves.append(np.interp(grid, xs, ys, left=math.nan, right=math.nan))
     curves = np.array(curves)
     with warnings.catch_warnings():  # before a run's first episode ends, no seed has a value
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -721,7 +771,7 @@ def cmd_run(ns: argparse.Namespace, rest: list[str]) -> int:
     if ns.keep is not None and ns.keep.resolve() == ns.out.resolve():
         raise UsageError(f"--keep {ns.keep} is --out itself: give a folder of its own (e.g. under docs/)")
     seeds = list(dict.fromkeys(ns.seeds))
-    check_existing_runs(configs, seeds, ns.out, overrides)
+    check_existing_runs(configs, seeds, ns.out, overrides, ns.keep)
     return 1 if run_all(configs, seeds, ns.out, ns.parallel, overrides, ns.eval_episodes, ns.keep) else 0
 
 

@@ -336,6 +336,80 @@ def test_a_custom_module_that_does_not_register_the_id_is_named(tmp_path, monkey
         check_env_id(":Arm-v0")
 
 
+def test_a_class_entry_point_counts_among_the_ids_a_module_registers(tmp_path, monkeypatch):
+    """gymnasium's tutorial registers the class itself: a wrong version then names the ids there."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "my_class_ids.py").write_text(CUSTOM_ENV.replace("{name}", "my_class_ids").replace(
+        'entry_point="my_class_ids:Blink"', "entry_point=Blink"))
+    with pytest.raises(ConfigError, match=r"did not register 'my_class_ids/Blink-v1' \(it registers my_class_ids/Blink-v0\)"):
+        check_env_id("my_class_ids:my_class_ids/Blink-v1")
+
+
+def test_a_typeerror_in_an_envs_constructor_is_the_envs_not_its_kwargs(tmp_path, monkeypatch):
+    """Only an argument the constructor refuses reads "check env.kwargs"; a TypeError of its own
+    code is the env's to fix, and is not run a second time without a render size."""
+    from visppo.errors import EnvError
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "my_buggy_ctor.py").write_text(CUSTOM_ENV.replace("{name}", "my_buggy_ctor").replace(
+        "        self.brightness = brightness\n",
+        "        import my_buggy_ctor as me\n        me.MADE += 1\n        self.brightness = None * brightness\n")
+        + "MADE = 0\n")
+    base = ["env.id=my_buggy_ctor:my_buggy_ctor/Blink-v0", "env.vector=sync", "env.pixels=false"]
+    cfg = load_config(None, base)
+    with pytest.raises(EnvError, match=r"its constructor raised TypeError \(unsupported operand.*fix the env") as info:
+        make_env(cfg)
+    assert "env.kwargs" not in str(info.value)
+    import my_buggy_ctor
+    assert my_buggy_ctor.MADE == 1
+    with pytest.raises(ConfigError, match=r"refused its arguments .*colour.*: check env.kwargs"):
+        make_env(load_config(None, [*base, "env.kwargs.colour=1"]))
+
+
+def test_a_learner_in_a_sweeps_child_process_keeps_its_stop_signals():
+    """A SyncVectorEnv makes its envs in the learner's process; a learner that a sweep started in a
+    child process has a parent, and must still not ignore SIGTERM (its final checkpoint) there."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_make_in_a_child, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=120) == (True, False)  # its handler kept; not taken for a worker
+    finally:
+        child.join(30)
+
+
+def _make_in_a_child(queue) -> None:
+    import signal
+
+    from visppo import env_process, envs
+
+    handler = lambda *a: None  # noqa: E731 - the learner's (deferred_signals)
+    signal.signal(signal.SIGTERM, handler)
+    envs._thunk(load_config(None, [DOT]))().close()
+    queue.put((signal.getsignal(signal.SIGTERM) is handler, env_process.in_worker))
+
+
+def test_an_async_workers_leave_sigterm_to_the_learner():
+    """A Ctrl-C or SIGTERM reaches the process group: the workers live on for the final checkpoint."""
+    import os
+    import signal
+    import time
+
+    envs = make_vector_env(load_config(None, [DOT, "ppo.num_envs=2", "env.vector=async"]))
+    try:
+        envs.reset(seed=0)
+        for proc in envs.processes:
+            os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert all(proc.is_alive() for proc in envs.processes)
+        envs.step(envs.action_space.sample())
+    finally:
+        envs.close()
+
+
 def test_frame_stack_fills_pushes_resizes_and_keeps_the_state():
     """FrameStack packs what PixelDict gives the policy, and what deploy.Policy packs a camera's frames with."""
     stack = envs_module.FrameStack(3, keep_state=True, image_size=4)

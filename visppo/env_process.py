@@ -28,6 +28,11 @@ VIEW = "render_view"
 """The side camera of visppo's tasks and DMC envs (on the env's ``unwrapped``), which evaluation
 videos show beside the policy's frames."""
 
+in_worker = False
+"""Whether this process is an env worker (an EnvProcess's, or an async vector env's): set where one
+starts. Not ``multiprocessing.parent_process()``: a learner started by a sweep's pool has a parent
+too, and must keep its stop signals."""
+
 
 def how_it_ended(exitcode: int | None) -> str:
     """A dead env process's exit code in words, with what ends a process that way: "died of signal
@@ -121,6 +126,8 @@ class EnvProcess(gym.Env):
 def _serve(conn, build: Callable[[], gym.Env], path: list[str]) -> None:
     """The child: build the env, then answer (method, args, kwargs) until close or the parent's EOF.
     ``path`` is the parent's ``sys.path`` now (the forkserver has the one of its own start)."""
+    global in_worker
+    in_worker = True
     sys.path[:] = path
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's to handle (it closes this env)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -27,7 +27,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from visppo import seeding
+from visppo import env_process, seeding
 from visppo.config import CODE_PREFIX, Config
 from visppo.env_check import check_observation_space, env_errors, looks_like_image, raised
 from visppo.env_process import EnvProcess, how_it_ended
@@ -189,8 +189,8 @@ def resolve_env_id(env_id: str) -> str:
     if env_id.startswith(CODE_PREFIX):
         if env_id not in _CODE_ENVS:
             raise ConfigError(f"env.id {env_id} is an env built in code by visppo.train(env=...) in another "
-                              "process: pass the same callable again (visppo.train(env=...)), or use a "
-                              "registered gymnasium id")
+                              "process: pass the same callable again (visppo.train(env=...)), or give a "
+                              "registered env with the same spaces (visppo eval RUN env.id=module:EnvId)")
         return env_id
     if _is_dmc(env_id):
         return _resolve_dmc(env_id)
@@ -232,12 +232,19 @@ def _import_env_module(env_id: str, module: str, name: str) -> None:
         raise ConfigError(f"env.id {env_id}: cannot import module '{module}' ({type(exc).__name__}: {first}): "
                           "install its package or put its folder on PYTHONPATH") from None
     if name not in gym.registry:
-        ids = sorted(k for k, spec in gym.registry.items() if isinstance(spec.entry_point, str)
-                     and (spec.entry_point.split(":")[0] + ".").startswith(module + "."))
+        ids = sorted(k for k, spec in gym.registry.items() if (_entry_module(spec.entry_point) + ".").startswith(module + "."))
         more = f" and {len(ids) - 8} more" if len(ids) > 8 else ""
         found = f"it registers {', '.join(ids[:8])}{more}" if ids else "it registers no gymnasium id"
         raise ConfigError(f"env.id {env_id}: module '{module}' imported but did not register '{name}' ({found}): "
                           f"call gymnasium.register(id='{name}', ...) when it is imported, or fix the id")
+
+
+def _entry_module(entry_point: Any) -> str:
+    """The module of a registered entry point: ``"pkg.mod:Env"``, or a class or function (gymnasium's
+    tutorial registers the class itself)."""
+    if isinstance(entry_point, str):
+        return entry_point.split(":")[0]
+    return getattr(entry_point, "__module__", None) or ""
 
 
 def make_env(cfg: Config, stream: int = seeding.TRAIN) -> gym.Env:
@@ -249,7 +256,24 @@ def make_env(cfg: Config, stream: int = seeding.TRAIN) -> gym.Env:
         raise ConfigError(f"env.id {cfg.env.id} cannot be made as configured: {str(exc).splitlines()[0]}"
                           ) from None
     except TypeError as exc:
-        raise ConfigError(f"env.id {cfg.env.id} refused its arguments ({exc}): check env.kwargs") from None
+        if refused_arguments(exc):
+            raise ConfigError(f"env.id {cfg.env.id} refused its arguments ({exc}): check env.kwargs") from None
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise EnvError(f"env {cfg.env.id}: its constructor raised TypeError ({first}): fix the env") from None
+
+
+ARGUMENT_ERRORS = ("unexpected keyword argument", "required positional argument", "required keyword-only argument",
+                   "positional argument but", "positional arguments but", "multiple values for argument")
+"""Python's words for a call whose arguments do not fit the function (``inspect.signature``'s
+binding errors read the same): gymnasium passes them on from the env's constructor."""
+
+
+def refused_arguments(exc: TypeError, names: tuple[str, ...] = ()) -> bool:
+    """Whether ``exc`` says the env's constructor refused its arguments (one of ``names``, when
+    given), rather than that its code raised a TypeError of its own."""
+    text = str(exc)
+    return any(words in text for words in ARGUMENT_ERRORS) and (
+        not names or any(f"'{name}'" in text for name in names))
 
 
 def _make_env(cfg: Config, stream: int) -> gym.Env:
@@ -271,7 +295,7 @@ def _make_env(cfg: Config, stream: int) -> gym.Env:
                        obs_mode="pixels_state" if e.state else "pixels", **kwargs)
         if e.render_samples >= 0:
             set_render_samples(env, e.render_samples, env_id)
-    elif runs_apart(cfg) and multiprocessing.parent_process() is None:  # not yet in a worker
+    elif runs_apart(cfg) and not env_process.in_worker:
         env = EnvProcess(functools.partial(_make_gymnasium, cfg, env_id, kwargs), e.id, worker_start_method())
     else:
         env = _make_gymnasium(cfg, env_id, kwargs)
@@ -395,7 +419,7 @@ def _make_dmc(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
 
 def _preload_for_render() -> None:
     ensure_headless_gl()
-    if multiprocessing.parent_process() is None:  # the learner's process, not a worker
+    if not env_process.in_worker:  # the learner's process (a sweep's child too), not a worker
         preload_before_gl()
 
 
@@ -409,7 +433,9 @@ def _make_rendered(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
     try:
         env = gym.make(env_id, render_mode="rgb_array", width=e.image_size, height=e.image_size,
                        **cam, **kwargs)
-    except TypeError:  # envs that do not take a render size (the camera, asked for, must still be taken)
+    except TypeError as exc:  # envs that do not take a render size (the camera, asked for, must still be taken)
+        if not refused_arguments(exc, ("width", "height")):
+            raise  # the constructor's own TypeError: not run a second time
         try:
             env = gym.make(env_id, render_mode="rgb_array", **cam, **kwargs)
         except TypeError:
@@ -509,9 +535,11 @@ def use_async(cfg: Config) -> bool:
 def _thunk(cfg: Config):
     factory = _CODE_ENVS.get(cfg.env.id)  # travels to a worker with the thunk
     path = list(sys.path)  # and this process's sys.path (the forkserver has the one of its start)
+    creator = os.getpid()  # a SyncVectorEnv calls make() here: the learner, whatever process made it
 
     def make() -> gym.Env:
-        if multiprocessing.parent_process() is not None:
+        if os.getpid() != creator:  # an AsyncVectorEnv's worker
+            env_process.in_worker = True
             ignore_stop_signals()
             sys.path[:] = path
             if factory is not None:

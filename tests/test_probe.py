@@ -484,3 +484,65 @@ def test_probe_leaves_the_callers_rng_as_it_found_it(mode):
     before = torch.get_rng_state()
     probe(cfg, "1GiB", "cpu", mode)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def _stepped_measure(whole_peak: int):
+    """A stand-in for Prober.measure: accumulating micro-batches cost 1000 + size bytes, the whole
+    minibatch (32) ``whole_peak`` (no gradients held while its activations live); chunks their size."""
+    from visppo.probe import Candidate
+
+    def measure(self, kind, size, limit):
+        peak = (whole_peak if size == 32 else 1000 + size) if kind == "micro_batch" else size
+        return Candidate(kind, size, peak, peak <= limit, {"activations": peak})
+    return measure
+
+
+@pytest.mark.parametrize("whole_peak, budget, micro", [(500, 900, 32), (500, 1020, 32), (2000, 1010, 10)])
+def test_the_whole_minibatch_is_tried_on_its_own_as_it_can_fit_where_smaller_sizes_do_not(
+        monkeypatch, whole_peak, budget, micro):
+    monkeypatch.setattr(Prober, "measure", _stepped_measure(whole_peak))
+    cfg = load_config(None, tiny_overrides(**{"ppo.num_steps": 64, "ppo.minibatch_size": 32}))
+    assert probe(cfg, budget, "cpu", "fake", margin=0.0).micro_batch_size == micro
+
+
+@pytest.mark.parametrize("amp, hint", [("off", "AMP"), ("bf16", None)])
+def test_nothing_fits_names_what_did_not_and_suggests_amp_only_when_it_is_off(monkeypatch, amp, hint):
+    monkeypatch.setattr(Prober, "measure", _stepped_measure(2000))
+    cfg = load_config(None, tiny_overrides(**{"ppo.num_steps": 64, "ppo.minibatch_size": 32, "train.amp": amp}))
+    with pytest.raises(ConfigError, match="not even a micro-batch of 1 ") as info:
+        probe(cfg, 900, "cpu", "fake", margin=0.0)
+    assert "inference chunk" not in str(info.value) and ("AMP" in str(info.value)) is (hint is not None)
+
+
+def _found(micro: int, chunk: int):
+    from types import SimpleNamespace
+
+    return lambda *a, **k: SimpleNamespace(micro_batch_size=micro, infer_chunk_size=chunk, peak_bytes=2**20)
+
+
+def test_a_fixed_size_beside_an_auto_one_must_fit_the_budget(monkeypatch):
+    import visppo.loop as loop
+
+    monkeypatch.setattr(loop, "probe", _found(8, 16))
+    cpu = torch.device("cpu")
+    cfg = load_config(None, tiny_overrides(**{"memory.micro_batch_size": "auto", "memory.infer_chunk_size": 16}))
+    assert loop.memory_sizes(cfg, cpu, None, "off", verbose=False) == loop.MemorySizes(8, 16)
+    cfg = load_config(None, tiny_overrides(**{"memory.micro_batch_size": "auto", "memory.infer_chunk_size": 64}))
+    with pytest.raises(ConfigError, match=r"memory.infer_chunk_size=64 does not fit memory.budget .*largest that does: 16"):
+        loop.memory_sizes(cfg, cpu, None, "off", verbose=False)
+    cfg = load_config(None, tiny_overrides(**{"memory.micro_batch_size": 0, "memory.infer_chunk_size": "auto"}))
+    with pytest.raises(ConfigError, match=r"memory.micro_batch_size=0 does not fit"):  # 0: the whole minibatch
+        loop.memory_sizes(cfg, cpu, None, "off", verbose=False)
+
+
+def test_a_resume_keeps_its_sizes_only_on_the_device_kind_and_precision_they_held_on(monkeypatch):
+    import visppo.loop as loop
+
+    monkeypatch.setattr(loop, "probe", _found(8, 16))
+    cpu = torch.device("cpu")
+    cfg = load_config(None, tiny_overrides(**{"memory.micro_batch_size": "auto", "memory.infer_chunk_size": "auto"}))
+    saved = {"memory_sizes": {"micro": 4, "chunk": 2, "on": "cpu off"}}  # halved after an OOM
+    assert loop.memory_sizes(cfg, cpu, saved, "off", verbose=False) == loop.MemorySizes(4, 2)
+    assert loop.memory_sizes(cfg, cpu, saved, "bf16", verbose=False) == loop.MemorySizes(8, 16)  # probed again
+    older = {"memory_sizes": {"micro": 4, "chunk": 2}}  # a checkpoint that did not say where
+    assert loop.memory_sizes(cfg, cpu, older, "bf16", verbose=False) == loop.MemorySizes(4, 2)

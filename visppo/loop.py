@@ -349,7 +349,7 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
         seed_everything(seed, cfg.train.deterministic, device)
     if resume is not None:
         ckpt_io.set_rng_state(resume["rng"])  # last: building the model drew from the RNGs
-    setup = UpdateSetup(cfg.ppo, memory_sizes(cfg, device, resume, verbose=ctx.is_main), device,
+    setup = UpdateSetup(cfg.ppo, memory_sizes(cfg, device, resume, precision.update.name, verbose=ctx.is_main), device,
                         precision.update, generator, before_step=freeze, across_ranks=ctx.enabled)
     acting = ActingCopy(policy, rollout_device) if rollout_device != device else None
     return Run(cfg, ctx, run_dir, device, rollout_device, precision, envs, policy, optimizer, setup,
@@ -434,20 +434,30 @@ def processes_note(cfg: Config, ctx: distributed.Context) -> str:
             f"minibatch {cfg.ppo.minibatch_size}")
 
 
-def memory_sizes(cfg: Config, device: torch.device, resume: dict | None,
+def memory_sizes(cfg: Config, device: torch.device, resume: dict | None, amp: str = "",
                  verbose: bool = True) -> MemorySizes:
-    """The micro-batch and chunk sizes to start with: a resumed run keeps the ones it had
-    (an OOM may have halved them); ``auto`` asks the probe for the largest under ``memory.budget``."""
-    if resume is not None and resume.get("memory_sizes"):
-        return MemorySizes(**resume["memory_sizes"])
+    """The micro-batch and chunk sizes to start with: a resumed run keeps the ones it had (an OOM
+    may have halved them) where it trained on the same kind of device in the same precision;
+    ``auto`` asks the probe for the largest under ``memory.budget``, and a fixed size beside an
+    ``auto`` one must fit that budget too."""
+    saved = resume.get("memory_sizes") if resume is not None else None
+    if saved and saved.get("on", f"{device.type} {amp}") == f"{device.type} {amp}":
+        return MemorySizes(saved["micro"], saved["chunk"])
     micro, chunk = cfg.memory.micro_batch_size, cfg.memory.infer_chunk_size
     if "auto" in (micro, chunk):
         found = probe(cfg, cfg.memory.budget, str(device), mode="fake")
+        for key, size, largest, whole in (("micro_batch_size", micro, found.micro_batch_size, cfg.ppo.minibatch_size),
+                                          ("infer_chunk_size", chunk, found.infer_chunk_size, cfg.rollout_size)):
+            if size != "auto" and min(int(size) or whole, whole) > largest:  # 0: the whole minibatch
+                raise ConfigError(f"memory.{key}={size} does not fit memory.budget {cfg.memory.budget} on {device} "
+                                  f"(the largest that does: {largest}): lower it, set it to auto, or raise "
+                                  "memory.budget")
         micro = found.micro_batch_size if micro == "auto" else micro
         chunk = found.infer_chunk_size if chunk == "auto" else chunk
         if verbose:
             print(f"visppo: memory.budget {cfg.memory.budget} on {device}: micro-batch {micro}, "
-                  f"inference chunk {chunk} (probe peak {found.peak_bytes / 2**30:.2f} GiB)")
+                  f"inference chunk {chunk} (probe peak {found.peak_bytes / 2**30:.2f} GiB at the largest "
+                  f"that fit: {found.micro_batch_size} and {found.infer_chunk_size})")
     return MemorySizes(int(micro) or cfg.ppo.minibatch_size, int(chunk))
 
 
@@ -560,7 +570,8 @@ def save_checkpoint(run: Run, iteration: int) -> None:
     mine = ckpt_io.rank_state(run.setup.generator, run.envs, run.reward_scale)
     ranks = distributed.all_gather(mine) if run.ctx.enabled else [mine]
     if run.ctx.is_main:
-        sizes = {"micro": run.setup.sizes.micro, "chunk": run.setup.sizes.chunk}
+        sizes = {"micro": run.setup.sizes.micro, "chunk": run.setup.sizes.chunk,  # and where they held
+                 "on": f"{run.device.type} {run.precision.update.name}"}
         ckpt_io.save_checkpoint(run.dir, run.cfg, run.policy, run.optimizer, run.setup.precision.scaler,
                                 iteration, run.global_step, sizes, ranks, run.recent, run.ended_since_row,
                                 run.updates_since_row, run.precision.update.name)

@@ -559,13 +559,23 @@ def _probe(cfg: Config, budget_bytes: int, target: torch.device, mode: str, marg
             return cand.fits
         return check
 
-    micro, _ = largest_fitting(fits("micro_batch"), limit=cfg.ppo.minibatch_size)
+    # The whole minibatch first, on its own: it keeps no gradients while its activations live (they
+    # are made after its backward), where a smaller, accumulating micro-batch holds both, so it can
+    # fit where every accumulating size does not; the search then covers the accumulating sizes.
+    minibatch = cfg.ppo.minibatch_size
+    micro = minibatch if fits("micro_batch")(minibatch) else \
+        largest_fitting(fits("micro_batch"), limit=minibatch - 1)[0] if minibatch > 1 else 0
     chunk, _ = largest_fitting(fits("infer_chunk"), limit=cfg.rollout_size)
     if micro == 0 or chunk == 0:
-        base = sum(prober.static.values())
+        model = sum(v for k, v in prober.static.items() if k not in GPU_LINES)
+        gpu = sum(v for k, v in prober.static.items() if k in GPU_LINES)
+        which = " and ".join(w for w, n in (("a micro-batch", micro), ("an inference chunk", chunk)) if n == 0)
+        gpu_text = f", the CUDA context and workspaces {format_bytes(gpu)}" if gpu else ""
+        hints = ", ".join(h for h in ("a smaller model or image", "AMP" if prober.dtype is None else "",
+                                      "a larger budget") if h)
         raise ConfigError(f"nothing fits in {format_bytes(limit)} ({format_bytes(budget_bytes)} minus "
-                          f"{margin:.0%} margin): parameters, gradients, optimizer state and buffer alone "
-                          f"take {format_bytes(base)}; use a smaller model, AMP, or a larger budget")
+                          f"{margin:.0%} margin): not even {which} of 1 (parameters, gradients, optimizer state "
+                          f"and buffer take {format_bytes(model)}{gpu_text}); use {hints}")
     top = max((c for c in candidates if c.fits and ((c.kind == "micro_batch" and c.size == micro) or
                                                      (c.kind == "infer_chunk" and c.size == chunk))),
               key=lambda c: c.peak_bytes)

@@ -18,6 +18,7 @@ camera for evaluation videos), and actuators with ``ctrlrange="-1 1"``.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from importlib import resources
 from typing import Any, ClassVar
@@ -63,8 +64,11 @@ def new_renderer(model: mujoco.MjModel, height: int, width: int) -> mujoco.Rende
         return mujoco.Renderer(model, int(height), int(width))
     except mujoco.FatalError as exc:
         if int(width) <= before[0] and int(height) <= before[1]:  # the model's own buffer: not the size
-            raise ValueError(f"cannot render with this OpenGL ({exc}): set MUJOCO_GL=egl (headless, a GPU "
-                             "or Mesa) or MUJOCO_GL=osmesa, or give glfw a DISPLAY") from None
+            gl = os.environ.get("MUJOCO_GL", "")
+            hint = ("EGL needs libEGL and a GPU driver or Mesa: install them, or set MUJOCO_GL=osmesa"
+                    if gl == "egl" else "set MUJOCO_GL=egl (headless, a GPU or Mesa) or MUJOCO_GL=osmesa, "
+                    "or give glfw a DISPLAY")
+            raise ValueError(f"cannot render with this OpenGL (MUJOCO_GL={gl or 'unset'}: {exc}): {hint}") from None
         raise ValueError(f"cannot render {width}x{height} frames with this OpenGL ({exc}): ask for a "
                          "smaller size") from None  # e.g. a side longer than the GL's largest framebuffer
     finally:

@@ -245,9 +245,13 @@ def test_a_gl_that_cannot_render_at_all_is_not_blamed_on_the_size(monkeypatch):
         raise mujoco.FatalError("an OpenGL platform library has not been loaded into this process")
 
     monkeypatch.setattr(mujoco, "Renderer", no_gl)
-    with pytest.raises(ValueError, match=r"cannot render with this OpenGL .*set MUJOCO_GL=egl") as info:
+    monkeypatch.setenv("MUJOCO_GL", "glfw")
+    with pytest.raises(ValueError, match=r"cannot render with this OpenGL \(MUJOCO_GL=glfw: .*set MUJOCO_GL=egl") as info:
         env.render_view(width=48, height=40)
     assert "smaller size" not in str(info.value)
+    monkeypatch.setenv("MUJOCO_GL", "egl")  # already EGL: what it needs, or osmesa
+    with pytest.raises(ValueError, match=r"MUJOCO_GL=egl: .*EGL needs libEGL .*MUJOCO_GL=osmesa"):
+        env.render_view(width=48, height=40)
     with pytest.raises(ValueError, match=r"cannot render 100000x64 frames .*: ask for a smaller size"):
         env.render_view(width=100_000, height=64)
     env.close()

@@ -366,6 +366,26 @@ def test_a_typeerror_in_an_envs_constructor_is_the_envs_not_its_kwargs(tmp_path,
         make_env(load_config(None, [*base, "env.kwargs.colour=1"]))
 
 
+def test_an_argument_error_inside_a_rendering_envs_constructor_is_the_envs(tmp_path, monkeypatch):
+    """gymnasium appends every argument it passed (width and height among them) to the error: a
+    constructor that takes a render size and calls a helper wrongly is not retried without one, and
+    is not told to check env.kwargs."""
+    from visppo.errors import EnvError
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "my_sized_env.py").write_text(
+        "import gymnasium as gym\nMADE = []\n\n\ndef helper(a, b):\n    return a + b\n\n\n"
+        "class Sized(gym.Env):\n    metadata = {'render_modes': ['rgb_array']}\n\n"
+        "    def __init__(self, render_mode=None, width=84, height=84):\n"
+        "        MADE.append((width, height))\n        helper(1)\n\n\n"
+        "gym.register('my_sized_env/Sized-v0', entry_point='my_sized_env:Sized')\n")
+    with pytest.raises(EnvError, match=r"its constructor raised TypeError \(helper\(\) missing"):
+        make_env(load_config(None, ["env.id=my_sized_env:my_sized_env/Sized-v0", "env.vector=sync",
+                                    "env.image_size=48"]))
+    import my_sized_env
+    assert my_sized_env.MADE == [(48, 48)]  # once: not again without a render size
+
+
 def test_a_learner_in_a_sweeps_child_process_keeps_its_stop_signals():
     """A SyncVectorEnv makes its envs in the learner's process; a learner that a sweep started in a
     child process has a parent, and must still not ignore SIGTERM (its final checkpoint) there."""

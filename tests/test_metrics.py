@@ -239,3 +239,39 @@ def test_a_resume_refused_for_its_csv_starts_no_tracker(tmp_path, capsys, monkey
     code, err = run_main(capsys, "train", "--resume", run_dir / "checkpoints" / "iter_000001.pt")
     assert code == 2 and opened == []
     one_error_line(err, "not a CSV file visppo wrote")
+
+
+def test_a_resume_that_wb_refuses_drops_no_row(tmp_path, capsys, monkeypatch):
+    """W&B starts before the Logger drops the rows after the checkpoint: a resume it refuses (not
+    logged in, no network) leaves the run's logs as they were."""
+    import visppo.loop
+    from visppo.errors import RunError
+
+    code, err = run_main(capsys, "train", *tiny_overrides(tmp_path, **{"run.checkpoint_every": 1}))
+    assert code == 0, err
+    run_dir = tmp_path / "run"
+    before = (run_dir / "metrics.csv").read_text()
+
+    def refuse(*args):
+        raise RunError("W&B could not start a run: log in")
+
+    monkeypatch.setattr(visppo.loop, "open_tracker", refuse)
+    code, err = run_main(capsys, "train", "--resume", run_dir / "checkpoints" / "iter_000001.pt")
+    assert code != 0 and "W&B could not start" in err
+    assert (run_dir / "metrics.csv").read_text() == before
+
+
+def test_a_new_run_that_fails_early_leaves_the_folders_own_log_files(tmp_path):
+    """Only what the failed run made goes: an events file or wandb/ the folder held stays."""
+    from visppo.loop import forget_if_unstarted
+
+    run_dir = tmp_path / "run"
+    (run_dir / "wandb" / "run-old").mkdir(parents=True)
+    (run_dir / "events.out.tfevents.1.old.1").write_bytes(b"old")
+    with pytest.raises(RuntimeError), forget_if_unstarted(run_dir, created=False):
+        (run_dir / "config.yaml").write_text("x")
+        (run_dir / "events.out.tfevents.2.new.2").write_bytes(b"new")
+        (run_dir / "wandb_id").write_text("abc")
+        raise RuntimeError("before the first row")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["events.out.tfevents.1.old.1", "wandb"]
+    assert (run_dir / "wandb" / "run-old").is_dir()

@@ -488,11 +488,11 @@ def test_probe_leaves_the_callers_rng_as_it_found_it(mode):
 
 def _stepped_measure(whole_peak: int):
     """A stand-in for Prober.measure: accumulating micro-batches cost 1000 + size bytes, the whole
-    minibatch (32) ``whole_peak`` (no gradients held while its activations live); chunks their size."""
+    minibatch (32) ``whole_peak`` (no gradients held while its activations live); chunks 10 x their size."""
     from visppo.probe import Candidate
 
     def measure(self, kind, size, limit):
-        peak = (whole_peak if size == 32 else 1000 + size) if kind == "micro_batch" else size
+        peak = (whole_peak if size == 32 else 1000 + size) if kind == "micro_batch" else 10 * size
         return Candidate(kind, size, peak, peak <= limit, {"activations": peak})
     return measure
 
@@ -520,19 +520,25 @@ def _found(micro: int, chunk: int):
     return lambda *a, **k: SimpleNamespace(micro_batch_size=micro, infer_chunk_size=chunk, peak_bytes=2**20)
 
 
-def test_a_fixed_size_beside_an_auto_one_must_fit_the_budget(monkeypatch):
+def test_a_fixed_size_beside_an_auto_one_is_measured_at_its_own_size(monkeypatch):
+    """Not compared with the largest that fits: the whole minibatch can fit where a smaller,
+    accumulating micro-batch does not, so a fixed 16 beside a fitting 32 must be measured itself."""
     import visppo.loop as loop
 
-    monkeypatch.setattr(loop, "probe", _found(8, 16))
+    monkeypatch.setattr(Prober, "measure", _stepped_measure(500))
     cpu = torch.device("cpu")
-    cfg = load_config(None, tiny_overrides(**{"memory.micro_batch_size": "auto", "memory.infer_chunk_size": 16}))
-    assert loop.memory_sizes(cfg, cpu, None, "off", verbose=False) == loop.MemorySizes(8, 16)
-    cfg = load_config(None, tiny_overrides(**{"memory.micro_batch_size": "auto", "memory.infer_chunk_size": 64}))
-    with pytest.raises(ConfigError, match=r"memory.infer_chunk_size=64 does not fit memory.budget .*largest that does: 16"):
-        loop.memory_sizes(cfg, cpu, None, "off", verbose=False)
-    cfg = load_config(None, tiny_overrides(**{"memory.micro_batch_size": 0, "memory.infer_chunk_size": "auto"}))
-    with pytest.raises(ConfigError, match=r"memory.micro_batch_size=0 does not fit"):  # 0: the whole minibatch
-        loop.memory_sizes(cfg, cpu, None, "off", verbose=False)
+
+    def sizes(micro, chunk):
+        cfg = load_config(None, tiny_overrides(**{"ppo.num_steps": 64, "ppo.minibatch_size": 32, "memory.budget": "1000B",
+                                                  "memory.micro_batch_size": micro, "memory.infer_chunk_size": chunk}))
+        return loop.memory_sizes(cfg, cpu, None, "off", verbose=False)  # limit: 900 B after the 10% margin
+
+    assert sizes("auto", 64) == loop.MemorySizes(32, 64)
+    assert sizes(0, "auto") == loop.MemorySizes(32, 90)  # 0: the whole minibatch, which fits
+    with pytest.raises(ConfigError, match=r"memory.micro_batch_size=16 does not fit memory.budget .*peaks at 1016 B"):
+        sizes(16, "auto")
+    with pytest.raises(ConfigError, match=r"memory.infer_chunk_size=128 does not fit"):
+        sizes("auto", 128)
 
 
 def test_a_resume_keeps_its_sizes_only_on_the_device_kind_and_precision_they_held_on(monkeypatch):

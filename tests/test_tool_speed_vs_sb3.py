@@ -135,3 +135,24 @@ def test_sb3s_seeding_leaves_cudnn_as_visppo_runs_it(monkeypatch):
     monkeypatch.setenv("MUJOCO_GL", "egl")
     bench_sb3.run(1, 1, 0, num_envs=1, n_steps=16, batch_size=16, n_epochs=1)
     assert seen == [False]
+
+
+def test_cuda_without_a_gpu_exits_2(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "speed.json"
+    code, text, err = call(capsys, "--device", "cuda", "--json", out)
+    assert code == 2 and text == "" and not out.exists()
+    one_error_line(err, "--device cuda", "--device cpu")
+
+
+def test_without_stable_baselines3_it_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    module = tool()
+    real = module.importlib.util.find_spec
+    monkeypatch.setattr(module.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "stable_baselines3" else real(name, *a))
+    out = tmp_path / "speed.json"
+    code, text, err = call(capsys, "--json", out)
+    assert code == 2 and text == "" and not out.exists()
+    one_error_line(err, "pip install stable-baselines3")

@@ -256,7 +256,7 @@ def make_env(cfg: Config, stream: int = seeding.TRAIN) -> gym.Env:
         raise ConfigError(f"env.id {cfg.env.id} cannot be made as configured: {str(exc).splitlines()[0]}"
                           ) from None
     except TypeError as exc:
-        if refused_arguments(exc):
+        if refused_arguments(exc, entry=_entry_name(cfg.env.id)):
             raise ConfigError(f"env.id {cfg.env.id} refused its arguments ({exc}): check env.kwargs") from None
         first = (str(exc).strip().splitlines() or [""])[0]
         raise EnvError(f"env {cfg.env.id}: its constructor raised TypeError ({first}): fix the env") from None
@@ -268,12 +268,30 @@ ARGUMENT_ERRORS = ("unexpected keyword argument", "required positional argument"
 binding errors read the same): gymnasium passes them on from the env's constructor."""
 
 
-def refused_arguments(exc: TypeError, names: tuple[str, ...] = ()) -> bool:
+def refused_arguments(exc: TypeError, names: tuple[str, ...] = (), entry: str | None = None) -> bool:
     """Whether ``exc`` says the env's constructor refused its arguments (one of ``names``, when
-    given), rather than that its code raised a TypeError of its own."""
-    text = str(exc)
-    return any(words in text for words in ARGUMENT_ERRORS) and (
-        not names or any(f"'{name}'" in text for name in names))
+    given: an unexpected keyword), rather than that its code raised a TypeError of its own. Read
+    before the kwargs gymnasium appends (they name every argument); with ``entry`` (the entry
+    point's name), only a refusal by that call counts, not one by a function it called."""
+    text = str(exc).split(" was raised from the environment creator")[0]
+    if entry is not None and not text.startswith((f"{entry}(", f"{entry}.__init__(")):
+        return False
+    if names:
+        return any(f"unexpected keyword argument '{name}'" in text for name in names)
+    return any(words in text for words in ARGUMENT_ERRORS)
+
+
+def _entry_name(env_id: str) -> str | None:
+    """The name Python's argument errors give the registered entry point of ``env_id`` (a class's
+    or function's, or the part after ``:`` of a string), or None when it cannot be told."""
+    try:
+        gid = resolve_env_id(env_id)
+        entry = gym.spec(gid.partition(":")[2] if ":" in gid else gid).entry_point  # module:EnvId: EnvId
+    except Exception:  # noqa: BLE001 - unknown here: the words alone decide
+        return None
+    if isinstance(entry, str):
+        return entry.rsplit(":", 1)[-1] or None
+    return getattr(entry, "__qualname__", None)
 
 
 def _make_env(cfg: Config, stream: int) -> gym.Env:
@@ -434,7 +452,7 @@ def _make_rendered(cfg: Config, env_id: str, kwargs: dict[str, Any]) -> gym.Env:
         env = gym.make(env_id, render_mode="rgb_array", width=e.image_size, height=e.image_size,
                        **cam, **kwargs)
     except TypeError as exc:  # envs that do not take a render size (the camera, asked for, must still be taken)
-        if not refused_arguments(exc, ("width", "height")):
+        if not refused_arguments(exc, ("width", "height"), entry=_entry_name(env_id)):
             raise  # the constructor's own TypeError: not run a second time
         try:
             env = gym.make(env_id, render_mode="rgb_array", **cam, **kwargs)

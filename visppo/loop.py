@@ -52,6 +52,7 @@ from visppo.metrics import (
     PhaseTimer,
     Span,
     WandbTracker,
+    check_metrics,
     check_tracking,
     iteration_profiler,
     open_tracker,
@@ -263,15 +264,16 @@ def forget_if_unstarted(run_dir: Path, created: bool) -> Iterator[None]:
     nothing behind: its config.yaml, policy.json, lock file and logs (TensorBoard's events, W&B's files) go
     (and the directory, if the run made it), so
     the same run.dir starts afresh rather than asking for a resume that has nothing to resume."""
+    logs = ("events.out.tfevents.*", "wandb", WandbTracker.ID_FILE)  # what opening the logs makes
+    before = {p for pattern in logs for p in run_dir.glob(pattern)}  # the folder's own stay
     try:
         yield
     except BaseException:
         if not (run_dir / "metrics.csv").exists() and not (run_dir / "checkpoints").exists():
-            for name in ("config.yaml", SPEC_FILE, ckpt_io.LOCK_FILE, WandbTracker.ID_FILE):
+            for name in ("config.yaml", SPEC_FILE, ckpt_io.LOCK_FILE):
                 (run_dir / name).unlink(missing_ok=True)
-            for events in run_dir.glob("events.out.tfevents.*"):  # TensorBoard's, opened with the logger
-                events.unlink(missing_ok=True)
-            shutil.rmtree(run_dir / "wandb", ignore_errors=True)
+            for made in {p for pattern in logs for p in run_dir.glob(pattern)} - before:
+                shutil.rmtree(made, ignore_errors=True) if made.is_dir() else made.unlink(missing_ok=True)
             if created:
                 with suppress(OSError):  # not empty: the user's files stay
                     run_dir.rmdir()
@@ -370,13 +372,15 @@ def open_logs(run: Run, resuming: bool) -> None:
         atomic_write_text(run.dir / "config.yaml", to_yaml(cfg))
     if cfg.env.id.startswith(CODE_PREFIX) and not (resuming and (run.dir / SPEC_FILE).is_file()):
         write_spec(run.dir, cfg)  # a resume too, of a run whose policy.json was never written
-    run.logger = Logger(run.dir, run.num_iterations * run.global_rollout, initial_step=run.global_step,
-                        tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
-                        first_iteration=run.first_iteration)
-    try:  # after the Logger took the CSV: a resume it refuses starts no W&B run
-        run.logger.tracker = open_tracker(cfg, run.dir, resuming)
+    check_metrics(run.dir / "metrics.csv")  # a resume refused for it starts no W&B run and changes nothing
+    tracker = open_tracker(cfg, run.dir, resuming)  # and one W&B refuses drops no row, event or video
+    try:
+        run.logger = Logger(run.dir, run.num_iterations * run.global_rollout, initial_step=run.global_step,
+                            tensorboard=cfg.run.tensorboard, progress=cfg.run.progress, tracker=tracker,
+                            first_iteration=run.first_iteration)
     except BaseException:
-        run.logger.close()
+        if tracker is not None:
+            tracker.close()
         raise
     if resuming:  # the directory says what the run now is (a raised ppo.total_steps): tools read it
         atomic_write_text(run.dir / "config.yaml", to_yaml(cfg))
@@ -445,19 +449,16 @@ def memory_sizes(cfg: Config, device: torch.device, resume: dict | None, amp: st
         return MemorySizes(saved["micro"], saved["chunk"])
     micro, chunk = cfg.memory.micro_batch_size, cfg.memory.infer_chunk_size
     if "auto" in (micro, chunk):
-        found = probe(cfg, cfg.memory.budget, str(device), mode="fake")
-        for key, size, largest, whole in (("micro_batch_size", micro, found.micro_batch_size, cfg.ppo.minibatch_size),
-                                          ("infer_chunk_size", chunk, found.infer_chunk_size, cfg.rollout_size)):
-            if size != "auto" and min(int(size) or whole, whole) > largest:  # 0: the whole minibatch
-                raise ConfigError(f"memory.{key}={size} does not fit memory.budget {cfg.memory.budget} on {device} "
-                                  f"(the largest that does: {largest}): lower it, set it to auto, or raise "
-                                  "memory.budget")
-        micro = found.micro_batch_size if micro == "auto" else micro
-        chunk = found.infer_chunk_size if chunk == "auto" else chunk
+        fixed = {}  # a size given beside an auto one: measured at that size (0: the whole minibatch)
+        if micro != "auto":
+            fixed["micro_batch"] = min(int(micro) or cfg.ppo.minibatch_size, cfg.ppo.minibatch_size)
+        if chunk != "auto":
+            fixed["infer_chunk"] = min(int(chunk), cfg.rollout_size)
+        found = probe(cfg, cfg.memory.budget, str(device), mode="fake", fixed=fixed)
+        micro, chunk = found.micro_batch_size, found.infer_chunk_size
         if verbose:
             print(f"visppo: memory.budget {cfg.memory.budget} on {device}: micro-batch {micro}, "
-                  f"inference chunk {chunk} (probe peak {found.peak_bytes / 2**30:.2f} GiB at the largest "
-                  f"that fit: {found.micro_batch_size} and {found.infer_chunk_size})")
+                  f"inference chunk {chunk} (probe peak {found.peak_bytes / 2**30:.2f} GiB)")
     return MemorySizes(int(micro) or cfg.ppo.minibatch_size, int(chunk))
 
 

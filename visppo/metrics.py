@@ -262,28 +262,38 @@ def _complete(text: str) -> str:
     return text if text.endswith("\n") else text[: text.rfind("\n") + 1]
 
 
+def check_metrics(path: Path) -> tuple[str, list[list[str]]]:
+    """``(text, rows)`` of a run's ``metrics.csv`` (up to its last complete line), or a ConfigError
+    saying to move it away when it is not one visppo wrote; reads only (a resume checks it before
+    anything of the run changes or starts). A missing or empty file: ``("", [])``."""
+    move_away = "move it away (the resumed run then starts a new one) and resume again"
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory, not the run's metrics file: {move_away}")
+    if not path.exists():
+        return "", []
+    try:
+        text = path.read_text(encoding="utf-8")
+        rows = list(csv.reader(io.StringIO(_complete(text))))
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ConfigError(f"{path} is not a CSV file visppo wrote ({type(exc).__name__}): {move_away}") from None
+    if rows and (not rows[0] or rows[0][0] != "global_step"):
+        raise ConfigError(f"{path} is not a CSV file visppo wrote (its header does not start with global_step): "
+                          f"{move_away}")
+    return text, rows
+
+
 def _drop_rows_after(path: Path, step: int) -> list[str] | None:
     """Keep the CSV rows up to ``step`` (a resumed run redoes the rest); returns the header, or None
     when there is none to keep (the file is then removed, and the next row writes a new header).
 
     A last line that a kill cut short (:func:`complete_text`; the header too) is dropped, so that the
     next row never glues onto it. The rewrite is atomic: a crash during it keeps the old file."""
-    move_away = "move it away (the resumed run then starts a new one) and resume again"
-    if path.is_dir():
-        raise ConfigError(f"{path} is a directory, not the run's metrics file: {move_away}")
-    try:
-        text = path.read_text(encoding="utf-8")
-        kept_text = _complete(text)
-        rows = list(csv.reader(io.StringIO(kept_text)))
-    except (UnicodeDecodeError, csv.Error) as exc:
-        raise ConfigError(f"{path} is not a CSV file visppo wrote ({type(exc).__name__}): {move_away}") from None
+    text, rows = check_metrics(path)
     if not rows:
         path.unlink()
         return None
     header, body = rows[0], rows[1:]
-    if not header or header[0] != "global_step":
-        raise ConfigError(f"{path} is not a CSV file visppo wrote (its header does not start with global_step): "
-                          f"{move_away}")
+    kept_text = _complete(text)
     kept = [r for r in body if len(r) == len(header) and _step(r[0]) <= step]  # and not cut short by a kill
     if kept_text != text or len(kept) != len(body):
         atomic_write(path, lambda f: csv.writer(f).writerows([header, *kept]), binary=False)

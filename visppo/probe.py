@@ -512,8 +512,12 @@ def default_margin(device: torch.device, dtype: torch.dtype | None) -> float:
 
 
 def probe(cfg: Config, budget: str | int, device: str = "cuda", mode: str | None = None,
-          margin: float | None = None, world_size: int | None = None) -> ProbeResult:
+          margin: float | None = None, world_size: int | None = None,
+          fixed: dict[str, int] | None = None) -> ProbeResult:
     """Largest ``memory.micro_batch_size`` and ``memory.infer_chunk_size`` of ``cfg`` under ``budget``.
+
+    ``fixed``: sizes given rather than searched (``{"micro_batch": 16}``, say, beside an ``auto``
+    chunk): each is measured at its own size and is a ConfigError if it does not fit.
 
     ``margin``: fraction of the budget kept free; ``None``: :func:`default_margin` (10%, or 25%
     for fp32 on a GPU). ``world_size``: processes training together under torchrun (default:
@@ -533,7 +537,7 @@ def probe(cfg: Config, budget: str | int, device: str = "cuda", mode: str | None
     with torch.random.fork_rng(devices=_gpus_to_keep(target, present)):
         if mode == "real" and target.type == "cuda":
             emulate_smaller_card(budget_bytes, target)
-        return _probe(cfg, budget_bytes, target, mode, margin, world_size)
+        return _probe(cfg, budget_bytes, target, mode, margin, world_size, fixed or {})
 
 
 def _gpus_to_keep(target: torch.device, present: bool) -> list[int]:
@@ -546,7 +550,7 @@ def _gpus_to_keep(target: torch.device, present: bool) -> list[int]:
 
 
 def _probe(cfg: Config, budget_bytes: int, target: torch.device, mode: str, margin: float | None,
-           world_size: int) -> ProbeResult:
+           world_size: int, fixed: dict[str, int]) -> ProbeResult:
     prober = Prober(cfg, target, mode, world_size)
     margin = default_margin(target, prober.dtype) if margin is None else margin
     limit = int(budget_bytes * (1 - margin))
@@ -562,10 +566,22 @@ def _probe(cfg: Config, budget_bytes: int, target: torch.device, mode: str, marg
     # The whole minibatch first, on its own: it keeps no gradients while its activations live (they
     # are made after its backward), where a smaller, accumulating micro-batch holds both, so it can
     # fit where every accumulating size does not; the search then covers the accumulating sizes.
+    for kind, size in fixed.items():  # not searched: measured at the size given
+        cand = prober.measure(kind, size, limit)
+        candidates.append(cand)
+        if not cand.fits:
+            key = {"micro_batch": "memory.micro_batch_size", "infer_chunk": "memory.infer_chunk_size"}[kind]
+            raise ConfigError(f"{key}={size} does not fit memory.budget {format_bytes(budget_bytes)} on {target}: "
+                              f"its pass peaks at {format_bytes(cand.peak_bytes)}, over the {format_bytes(limit)} "
+                              f"left after the {margin:.0%} margin: lower it, set it to auto, or raise memory.budget")
     minibatch = cfg.ppo.minibatch_size
-    micro = minibatch if fits("micro_batch")(minibatch) else \
-        largest_fitting(fits("micro_batch"), limit=minibatch - 1)[0] if minibatch > 1 else 0
-    chunk, _ = largest_fitting(fits("infer_chunk"), limit=cfg.rollout_size)
+    if "micro_batch" in fixed:
+        micro = fixed["micro_batch"]
+    else:
+        micro = minibatch if fits("micro_batch")(minibatch) else \
+            largest_fitting(fits("micro_batch"), limit=minibatch - 1)[0] if minibatch > 1 else 0
+    chunk = fixed["infer_chunk"] if "infer_chunk" in fixed else \
+        largest_fitting(fits("infer_chunk"), limit=cfg.rollout_size)[0]
     if micro == 0 or chunk == 0:
         model = sum(v for k, v in prober.static.items() if k not in GPU_LINES)
         gpu = sum(v for k, v in prober.static.items() if k in GPU_LINES)

@@ -264,16 +264,21 @@ def forget_if_unstarted(run_dir: Path, created: bool) -> Iterator[None]:
     nothing behind: its config.yaml, policy.json, lock file and logs (TensorBoard's events, W&B's files) go
     (and the directory, if the run made it), so
     the same run.dir starts afresh rather than asking for a resume that has nothing to resume."""
-    logs = ("events.out.tfevents.*", "wandb", WandbTracker.ID_FILE)  # what opening the logs makes
-    before = {p for pattern in logs for p in run_dir.glob(pattern)}  # the folder's own stay
+    def logs() -> set[Path]:  # what opening the logs makes: TensorBoard's events, W&B's files
+        return {p for pattern in ("events.out.tfevents.*", "wandb", WandbTracker.ID_FILE) for p in run_dir.glob(pattern)}
+
+    before = logs()  # the folder's own stay
     try:
         yield
     except BaseException:
         if not (run_dir / "metrics.csv").exists() and not (run_dir / "checkpoints").exists():
             for name in ("config.yaml", SPEC_FILE, ckpt_io.LOCK_FILE):
                 (run_dir / name).unlink(missing_ok=True)
-            for made in {p for pattern in logs for p in run_dir.glob(pattern)} - before:
-                shutil.rmtree(made, ignore_errors=True) if made.is_dir() else made.unlink(missing_ok=True)
+            for made in logs() - before:
+                if made.is_dir():
+                    shutil.rmtree(made, ignore_errors=True)
+                else:
+                    made.unlink(missing_ok=True)
             if created:
                 with suppress(OSError):  # not empty: the user's files stay
                     run_dir.rmdir()
@@ -438,6 +443,11 @@ def processes_note(cfg: Config, ctx: distributed.Context) -> str:
             f"minibatch {cfg.ppo.minibatch_size}")
 
 
+def sizes_found_on(device: torch.device, amp: str) -> str:
+    """Where memory sizes hold, as a checkpoint records it: the kind of device and the precision."""
+    return f"{device.type} {amp}"
+
+
 def memory_sizes(cfg: Config, device: torch.device, resume: dict | None, amp: str = "",
                  verbose: bool = True) -> MemorySizes:
     """The micro-batch and chunk sizes to start with: a resumed run keeps the ones it had (an OOM
@@ -445,7 +455,8 @@ def memory_sizes(cfg: Config, device: torch.device, resume: dict | None, amp: st
     ``auto`` asks the probe for the largest under ``memory.budget``, and a fixed size beside an
     ``auto`` one must fit that budget too."""
     saved = resume.get("memory_sizes") if resume is not None else None
-    if saved and saved.get("on", f"{device.type} {amp}") == f"{device.type} {amp}":
+    here = sizes_found_on(device, amp)
+    if saved and saved.get("on", here) == here:  # an older checkpoint does not say: kept
         return MemorySizes(saved["micro"], saved["chunk"])
     micro, chunk = cfg.memory.micro_batch_size, cfg.memory.infer_chunk_size
     if "auto" in (micro, chunk):
@@ -572,7 +583,7 @@ def save_checkpoint(run: Run, iteration: int) -> None:
     ranks = distributed.all_gather(mine) if run.ctx.enabled else [mine]
     if run.ctx.is_main:
         sizes = {"micro": run.setup.sizes.micro, "chunk": run.setup.sizes.chunk,  # and where they held
-                 "on": f"{run.device.type} {run.precision.update.name}"}
+                 "on": sizes_found_on(run.device, run.precision.update.name)}
         ckpt_io.save_checkpoint(run.dir, run.cfg, run.policy, run.optimizer, run.setup.precision.scaler,
                                 iteration, run.global_step, sizes, ranks, run.recent, run.ended_since_row,
                                 run.updates_since_row, run.precision.update.name)

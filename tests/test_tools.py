@@ -115,12 +115,50 @@ def test_bench_prints_every_figure_and_writes_json(tmp_path, capsys):
     assert abs(figures["ratio_to_raw"] - figures["end_to_end_sps"] / max(figures["raw_env_sps"].values())) < 1e-9
 
 
+def test_bench_counts_the_short_minibatch_and_the_one_an_early_stop_computed():
+    bench = load_tool("bench")
+    # a rollout of 10 in minibatches of 8: 8 and 2 per epoch
+    assert [bench.update_samples(10, 8, m) for m in (1, 2, 3, 4)] == [8, 10, 18, 20]
+    row = {"optimizer_steps": "2", "skipped_steps": "1", "loss/stop_kl": "nan"}
+    assert bench.minibatches_done(row) == 3
+    assert bench.minibatches_done({**row, "loss/stop_kl": ""}) == 3
+    assert bench.minibatches_done({**row, "loss/stop_kl": "0.08"}) == 4
+
+
+def test_bench_update_samples_are_those_the_update_scored(tmp_path, monkeypatch):
+    """The samples bench credits each iteration's update with are the samples that went through
+    ``score_actions`` (forward and backward): a minibatch that does not divide the rollout and an
+    update stopped early by the KL target included."""
+    import csv
+
+    import torch
+
+    from visppo.config import load_config
+    from visppo.loop import train
+    from visppo.policy import ActorCritic
+
+    bench = load_tool("bench")
+    scored = []
+    score = ActorCritic.score_actions
+    monkeypatch.setattr(ActorCritic, "score_actions", lambda self, obs, actions: (  # backprop's, not no-grad passes'
+        scored.append(len(actions) * torch.is_grad_enabled()), score(self, obs, actions))[1])
+    for extra in ({}, {"ppo.target_kl": 1e-6, "ppo.learning_rate": 0.01}):
+        scored.clear()
+        cfg = load_config(None, tiny_overrides(tmp_path / str(len(extra)), **{
+            "ppo.minibatch_size": 24, "ppo.num_epochs": 3, "run.log_every": 1, **extra}))
+        rows = list(csv.DictReader((train(cfg) / "metrics.csv").open()))
+        counted = sum(bench.update_samples(cfg.rollout_size, 24, bench.minibatches_done(r)) for r in rows)
+        assert counted == sum(scored) > 0
+    assert any(bench.minibatches_done(r) < 9 for r in rows)  # the KL target did stop an update
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--iterations", "1"], "--iterations must be at least 2"),
     (["--repeats", "0"], "--repeats"),
     (["ppo.bogus=1"], "bogus"),
     (["configs/nosuch.yaml"], "nosuch.yaml"),
     (["--json", "{tmp}/nowhere/b.json"], "does not exist"),
+    (["--json", "{tmp}"], "is a folder"),
     (["--nosuch"], "unrecognized arguments"),
     (["env.id=visppo/Nope-v0", "--no-raw", "--repeats", "1", "--iterations", "2"], "visppo/Nope-v0"),
 ])
@@ -156,6 +194,65 @@ def test_bench_update_compares_a_plain_update_with_visppos_and_writes_json(tmp_p
         ("micro=8", True, True, 8), ("micro=mb", True, True, 16)]
     assert all(len(r["seconds"]) == 2 and r["samples_per_second"] > 0 and r["peak_bytes"] > 0 for r in rows)
     assert rows[0]["ratio"] == 1.0
+
+
+def out_of_memory_at(monkeypatch, too_big):
+    """visppo.ppo's minibatch gradient raises an out-of-memory error at the micro-batch sizes
+    ``too_big`` refuses, as a card would."""
+    import torch
+
+    from visppo import ppo
+
+    gradient = ppo.minibatch_gradient
+
+    def limited(policy, buffer, mb, advantages, setup):
+        if too_big(setup.sizes.micro):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return gradient(policy, buffer, mb, advantages, setup)
+
+    monkeypatch.setattr(ppo, "minibatch_gradient", limited)
+
+
+def test_bench_update_skips_a_row_whose_micro_batch_backed_off(tmp_path, capsys, monkeypatch):
+    """A row that runs out of memory is not timed at half its size under its own label."""
+    out_of_memory_at(monkeypatch, lambda micro: micro == 8)
+    out = tmp_path / "update.json"
+    code, text, err = call(capsys, "bench_update", *tiny(), "ppo.minibatch_size=16", "--micro", "4,8,0",
+                           "--amp", "off", "--repeats", "1", "--json", out)
+    assert code == 0, err
+    assert "skip micro=8 off: micro-batch 8 does not fit: the update backed off to 4" in text
+    assert [r["name"] for r in json.loads(out.read_text())["rows"]] == ["baseline", "fused Adam", "micro=4", "micro=mb"]
+
+
+def test_bench_update_refuses_when_the_baseline_does_not_fit(tmp_path, capsys, monkeypatch):
+    out_of_memory_at(monkeypatch, lambda micro: micro > 4)
+    out = tmp_path / "update.json"
+    code, text, err = call(capsys, "bench_update", *tiny(), "ppo.minibatch_size=16", "--micro", "4",
+                           "--amp", "off", "--repeats", "1", "--json", out)
+    assert code == 2 and not out.exists()
+    one_error_line(err, "baseline", "ppo.minibatch_size")
+
+
+def test_bench_update_runs_with_an_auto_inference_chunk(capsys):
+    code, text, err = call(capsys, "bench_update", *tiny(), "ppo.minibatch_size=16", "memory.infer_chunk_size=auto",
+                           "--micro", "0", "--amp", "off", "--repeats", "1")
+    assert code == 0, err
+    assert "skip" not in text and "micro=mb" in text
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (pinned host memory)")
+def test_bench_update_buffer_is_pinned_for_a_cuda_update_as_trainings_is():
+    import gymnasium as gym
+    import torch
+
+    from visppo.config import load_config
+
+    bench_update = load_tool("bench_update")
+    cfg = load_config(None, tiny())
+    obs = gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (9, 48, 48), np.uint8)})
+    act = gym.spaces.Box(-1, 1, (2,), np.float32)
+    buf = bench_update.random_buffer(cfg, obs, act, torch.Generator().manual_seed(0), device=torch.device("cuda"))
+    assert buf.obs["pixels"].is_pinned()
 
 
 def test_bench_update_json_is_whole_or_absent_when_its_write_dies(tmp_path, capsys, monkeypatch):

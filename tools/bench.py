@@ -26,6 +26,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 import multiprocessing
 import resource
 import statistics
@@ -35,6 +36,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from visppo.atomic import atomic_write_text
 from visppo.config import Config, load_config
 from visppo.envs import check_env_id, make_vector_env
 from visppo.errors import UserError
@@ -67,6 +69,22 @@ def raw_env_rate(cfg: Config, num_envs: int, vector: str, steps: int) -> float:
         envs.close()
 
 
+def update_samples(rollout: int, minibatch: int, minibatches_done: int) -> int:
+    """Samples one update pushed through forward and backward, given how many minibatches it
+    computed: every epoch cuts the rollout into minibatches whose last is the short one, so whole
+    epochs count the rollout and the epoch an early stop cut short counts full minibatches."""
+    per_epoch = math.ceil(rollout / minibatch)
+    epochs, rest = divmod(minibatches_done, per_epoch)
+    return epochs * rollout + rest * minibatch
+
+
+def minibatches_done(row: dict[str, str]) -> int:
+    """Minibatches an iteration's update computed: those stepped, those skipped (a non-finite
+    gradient) and the one whose approx-KL stopped the update (``loss/stop_kl`` set)."""
+    stopped = not math.isnan(float(row["loss/stop_kl"] or "nan"))
+    return int(float(row["optimizer_steps"])) + int(float(row["skipped_steps"])) + stopped
+
+
 def training_figures(cfg: Config, iterations: int) -> dict[str, float]:
     """One short ``visppo train`` run; medians over its iterations after the first."""
     import torch
@@ -83,12 +101,12 @@ def training_figures(cfg: Config, iterations: int) -> dict[str, float]:
     def median(fn) -> float:
         return statistics.median(fn(r) for r in rows)
 
-    mb = cfg.ppo.minibatch_size
+    mb = min(cfg.ppo.minibatch_size, cfg.rollout_size)
     out = {
         "end_to_end_sps": median(lambda r: float(r["steps_per_second"])),
         "collect_sps": median(lambda r: cfg.rollout_size / float(r["time/collect"])),
-        "update_samples_per_s": median(lambda r: (float(r["optimizer_steps"]) + float(r["skipped_steps"]))
-                                       * min(mb, cfg.rollout_size) / float(r["time/update"])),
+        "update_samples_per_s": median(lambda r: update_samples(cfg.rollout_size, mb, minibatches_done(r))
+                                       / float(r["time/update"])),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     for key in rows[0]:
@@ -122,6 +140,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
         raise UserError(f"--iterations must be at least 2 (the first is warm-up), got {ns.iterations}")
     if ns.json is not None and not ns.json.parent.is_dir():
         raise UserError(f"--json {ns.json}: folder {ns.json.parent} does not exist")
+    if ns.json is not None and ns.json.is_dir():
+        raise UserError(f"--json {ns.json} is a folder: give a file name")
     path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
     cfg = load_config(path, ns.args[1:] if path else ns.args)
     check_env_id(cfg.env.id)  # an unknown id now, not in the first spawned measurement
@@ -176,10 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(report(cfg, ns.repeats, raw, train_figs))
-    if ns.json:
-        best = max(raw.values()) if raw else float("nan")
-        ns.json.write_text(json.dumps({"raw_env_sps": raw, **train_figs,
-                                       "ratio_to_raw": train_figs["end_to_end_sps"] / best}, indent=2))
+    if ns.json:  # null, not NaN (which strict JSON readers refuse), without the raw env figures
+        ratio = train_figs["end_to_end_sps"] / max(raw.values()) if raw else None
+        atomic_write_text(ns.json, json.dumps({"raw_env_sps": raw, **train_figs, "ratio_to_raw": ratio}, indent=2))
     return 0
 
 

@@ -81,11 +81,13 @@ def spaces(cfg: Config) -> tuple[gym.spaces.Dict, gym.Space]:
 
 
 def random_buffer(cfg: Config, obs_space: gym.spaces.Dict, action_space: gym.Space,
-                  generator: torch.Generator, channels_last: bool = False) -> RolloutBuffer:
+                  generator: torch.Generator, channels_last: bool = False,
+                  device: torch.device = torch.device("cpu")) -> RolloutBuffer:
     """A rollout buffer full of random frames and plausible-scale random statistics
-    (the same contents for the same generator seed, whatever the frames' layout)."""
+    (the same contents for the same generator seed, whatever the frames' layout); pinned for a
+    CUDA update, as training's is, so micro-batches reach the GPU by the same path."""
     buf = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, obs_space, action_space,
-                        channels_last=channels_last)
+                        pin_memory=device.type == "cuda", channels_last=channels_last)
     for tensor in buf.obs.values():
         if tensor.dtype == torch.uint8:
             tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8, generator=generator))
@@ -117,6 +119,10 @@ class Row:
     ratio: float = 1.0
 
 
+class DoesNotFit(UserError):
+    """A row's micro-batch ran out of memory and the update backed off to a smaller one."""
+
+
 class Setup:
     """One row's policy, optimizer and update call, built before any timing."""
 
@@ -133,11 +139,20 @@ class Setup:
         ppo_cfg = dataclasses.replace(cfg.ppo, num_epochs=1, target_kl=0.0)
         generator = torch.Generator().manual_seed(cfg.train.seed)
         self.micro = micro or cfg.ppo.minibatch_size
-        setup = UpdateSetup(ppo_cfg, MemorySizes(self.micro, int(cfg.memory.infer_chunk_size)), device,
-                            precision, generator)
+        # one epoch never recomputes advantages, so the no-grad chunk is not used: the rollout, not "auto"
+        self.sizes = MemorySizes(self.micro, buffer.size)
+        setup = UpdateSetup(ppo_cfg, self.sizes, device, precision, generator)
+        self.optimizer = optimizer
         self.run = lambda: update(policy, optimizer, buffer, setup)
         self.seconds: list[float] = []
         self.skipped = self.run().skipped_steps  # warm-up: also creates the Adam state, so peaks exclude it
+        self.check_fits()
+
+    def check_fits(self) -> None:
+        """An out-of-memory halves the micro-batch for the rest of the run (``with_oom_backoff``):
+        the row would be timed at a size its label does not give."""
+        if self.sizes.micro != self.micro:
+            raise DoesNotFit(f"micro-batch {self.micro} does not fit: the update backed off to {self.sizes.micro}")
 
     def time_once(self) -> None:
         if self.device.type == "cuda":
@@ -149,15 +164,21 @@ class Setup:
         self.seconds.append(time.perf_counter() - start)
 
     def row(self, buffer: RolloutBuffer) -> Row:
+        """The row's figures; the peak is measured from no gradients, as the update's first
+        ``zero_grad`` leaves it (the last timed run's gradients would hide the new ones on CUDA)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        peak = peak_bytes(self.run, self.device)
+        self.check_fits()
         return Row(self.name, self.amp, self.channels_last, self.fused, self.micro, self.seconds,
-                   buffer.size / statistics.median(self.seconds), peak_bytes(self.run, self.device), self.skipped)
+                   buffer.size / statistics.median(self.seconds), peak, self.skipped)
 
 
 def state_bytes(cfg: Config, obs_space, action_space, device: torch.device) -> tuple[int, int]:
-    """Parameter bytes and Adam state bytes (2 floats per parameter + step counters)."""
+    """Parameter bytes and Adam state bytes (two moments per trainable parameter; the step
+    counters' few bytes left out)."""
     policy = build_policy(cfg, obs_space, action_space, device, load_weights=False)
     params = sum(p.numel() * p.element_size() for p in policy.parameters())
-    return params, 2 * params
+    return params, 2 * sum(p.numel() * p.element_size() for p in policy.parameters() if p.requires_grad)
 
 
 def table(rows: list[Row]) -> str:
@@ -212,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # the same contents in both layouts: NCHW frames for the plain rows, the config's layout for the others
     buffers = {cl: random_buffer(cfg, obs_space, action_space, torch.Generator().manual_seed(cfg.train.seed),
-                                 channels_last=cl) for cl in (False, True)}
+                                 channels_last=cl, device=device) for cl in (False, True)}
     buffer = buffers[False]
     params, adam = state_bytes(cfg, obs_space, action_space, device)
     print(f"{cfg.env.id}: pixels {tuple(obs_space['pixels'].shape)}, rollout {buffer.size} "
@@ -232,16 +253,30 @@ def main(argv: list[str] | None = None) -> int:
         try:
             setups.append(Setup(cfg, name, amp, channels_last, fused, micro, device, obs_space, action_space,
                                 buffers[channels_last]))
-        except ValueError as exc:  # e.g. fp16 on the CPU
+        except UserError as exc:  # fp16 on the CPU; a micro-batch that does not fit
             print(f"  skip {name} {amp}: {exc}")
+    if not setups or setups[0].name != "baseline":
+        print("error: the baseline row (fp32, the whole minibatch) did not fit: lower ppo.minibatch_size",
+              file=sys.stderr)
+        return 2
     for _ in range(ns.repeats):  # rows interleaved, so a slow minute of the machine hits them all
         for setup in setups:
             setup.time_once()
     rows: list[Row] = []
     for setup in setups:
-        row = setup.row(buffer)
+        try:
+            row = setup.row(buffer)
+        except DoesNotFit as exc:  # backed off during the timed runs
+            print(f"  skip {setup.name} {setup.amp}: {exc}")
+            continue
+        if not rows and row.name != "baseline":
+            break
         row.ratio = row.samples_per_second / rows[0].samples_per_second if rows else 1.0
         rows.append(row)
+    if not rows:
+        print("error: the baseline row (fp32, the whole minibatch) did not fit: lower ppo.minibatch_size",
+              file=sys.stderr)
+        return 2
         if row.skipped_steps:
             print(f"  {row.name} {row.amp}: {row.skipped_steps} non-finite steps skipped")
     print()

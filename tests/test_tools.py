@@ -321,12 +321,23 @@ def test_bench_ddp_times_a_torchrun_of_the_config(capsys):
     assert row[0] == "1" and row[1] == "64" and float(row[2]) > 0 and row[3] == "1.00x", text
 
 
+def test_bench_ddp_logs_every_iteration_and_finds_its_default_config_from_anywhere(tmp_path, monkeypatch):
+    """A config's run.log_every would leave no row after the warm-up; the default config is the
+    repository's, not one under the working directory."""
+    ddp = load_tool("bench_ddp")
+    monkeypatch.chdir(tmp_path)
+    assert Path(ddp.DEFAULT_CONFIG).is_file()
+    cmd = ddp.torchrun_command([ddp.DEFAULT_CONFIG, "run.log_every=5"], 1, 3, False, tmp_path / "r")
+    assert cmd.index("run.log_every=1") > cmd.index("run.log_every=5")
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--nproc", "1,x"], "--nproc '1,x'"),
     (["--nproc", "0"], "at least 1"),
     (["--iterations", "1"], "--iterations at least 2"),
     (["ppo.num_envs=3", "--split", "--nproc", "2"], "divisible by 2"),
     (["ppo.bogus=1"], "bogus"),
+    (["memory.micro_batch_size=128", "--split", "--nproc", "2"], "memory.micro_batch_size (128)"),
 ])
 def test_bench_ddp_refuses_bad_input_with_one_error_line(capsys, args, needle):
     code, text, err = call(capsys, "bench_ddp", *args)

@@ -32,7 +32,7 @@ from pathlib import Path
 from visppo.config import load_config
 from visppo.errors import UserError
 
-DEFAULT_CONFIG = "configs/dot_reach.yaml"
+DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "dot_reach.yaml")
 
 
 class Parser(argparse.ArgumentParser):
@@ -60,19 +60,27 @@ def sizes(cfg, nproc: int, split: bool) -> tuple[int, int]:
     return num_envs // nproc, minibatch // nproc
 
 
-def torchrun_command(args: list[str], nproc: int, iterations: int, split: bool, run_dir: Path) -> list[str]:
-    """The ``torchrun`` command of one run: ``iterations`` iterations with ``nproc`` processes."""
+def run_overrides(args: list[str], nproc: int, iterations: int, split: bool, run_dir: Path) -> list[str]:
+    """The overrides every process of one run gets after the user's: its sizes, ``iterations``
+    iterations, a row per iteration (the warm-up row is left out) and nothing else written."""
     path, overrides = split_args(args)
     cfg = load_config(path, overrides)
     num_envs, minibatch = sizes(cfg, nproc, split)
     extra = [f"ppo.num_envs={num_envs}", f"ppo.minibatch_size={minibatch}",
              f"ppo.total_steps={iterations * nproc * num_envs * cfg.ppo.num_steps}",
-             f"run.dir={run_dir}", "run.progress=false", "run.tensorboard=false",
+             f"run.dir={run_dir}", "run.progress=false", "run.tensorboard=false", "run.log_every=1",
              "run.checkpoint_every=1000000", "run.eval_every=0"]
     if not any(a.startswith("train.threads=") for a in overrides):
         extra.append(f"train.threads={max(1, (os.cpu_count() or 1) // nproc)}")
+    return extra
+
+
+def torchrun_command(args: list[str], nproc: int, iterations: int, split: bool, run_dir: Path) -> list[str]:
+    """The ``torchrun`` command of one run: ``iterations`` iterations with ``nproc`` processes."""
+    path, overrides = split_args(args)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "visppo", "train", *([path] if path else []), *overrides, *extra]
+            "-m", "visppo", "train", *([path] if path else []), *overrides,
+            *run_overrides(args, nproc, iterations, split, run_dir)]
 
 
 def run_once(args: list[str], nproc: int, iterations: int, split: bool, workdir: Path) -> list[dict]:
@@ -124,9 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--nproc counts and --repeats must be at least 1, --iterations at least 2 "
                             "(the first is warm-up)")
         path, overrides = split_args(args)
-        cfg = load_config(path, overrides)
-        for c in counts:
-            sizes(cfg, c, ns.split)
+        for c in counts:  # each process's config, as torchrun's processes will load it: refused here, not there
+            load_config(path, overrides + run_overrides(args, c, ns.iterations, ns.split, Path("run")))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

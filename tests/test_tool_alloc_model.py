@@ -138,11 +138,22 @@ def test_the_command_line_replays_validate_probes_files(tmp_path, capsys):
     (b"not gzip", [], "is not a trace"),
     (gzip.compress(b'{"rows": []}', mtime=0), [], "is not a trace"),
     (gzip.compress(b'{"events": []}', mtime=0), ["--json", "nowhere/r.json"], "does not exist"),
-], ids=["not-gzip", "no-events", "json-folder-missing"])  # ids: xdist's workers must collect the same names
-def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, content, args, needle):
+    (gzip.compress(b'{"events": []}', mtime=0), ["--json", "."], "is a folder"),
+    (gzip.compress(b'{"events": [1, 2]}', mtime=0), [], "is not [action, address, size, stream]"),
+    (gzip.compress(b'{"events": [{"action": "alloc"}]}', mtime=0), [], "is not [action, address, size, stream]"),
+    (gzip.compress(b'{"events": [], "phases": [3]}', mtime=0), [], "phases"),
+    (gzip.compress(b'{"events": []}', mtime=0), ["--nosuch"], "unrecognized arguments"),
+], ids=["not-gzip", "no-events", "json-folder-missing", "json-is-folder", "events-not-lists", "event-dict",
+        "phases-not-names", "unknown-option"])  # ids: xdist's workers must collect the same names
+def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, monkeypatch, content, args, needle):
     path = tmp_path / "t.json.gz"
     path.write_bytes(content)
-    assert am.main([str(path), *args]) == 2
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = am.main([str(path), *args])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     one_error_line(captured.err, needle)

@@ -144,7 +144,19 @@ def test_as_a_script_it_prints_one_line_and_bad_input_is_one_error_line_exit_2(t
 
     notzip = tmp_path / "notzip.whl"
     notzip.write_text("not a zip")
+    damaged = tmp_path / "damaged.whl"
+    damaged.write_bytes(src.read_bytes())
+    with zipfile.ZipFile(damaged) as z:
+        info = z.getinfo("pkg/keep.txt")
+    with damaged.open("r+b") as f:  # the entry's deflate stream starts with an invalid block type
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
+        f.seek(info.header_offset + 30 + name_len + extra_len)
+        f.write(b"\xff")
     cases = [
+        ((damaged, tmp_path / "a.whl", "--drop", "pkg/big/"), "damaged wheel"),
+        ((src, tmp_path, "--drop", "pkg/big/"), "is a folder"),
+        ((src,), "the following arguments are required"),
         ((notzip, tmp_path / "a.whl", "--drop", "pkg/big/"), "not a zip"),
         ((src, tmp_path / "missing" / "a.whl", "--drop", "pkg/big/"), "does not exist"),
         ((tmp_path / "absent.whl", tmp_path / "a.whl", "--drop", "pkg/big/"), "no such file"),

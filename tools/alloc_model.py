@@ -210,11 +210,23 @@ def replay(trace: dict) -> list[dict]:
     return phases
 
 
+def is_event(e) -> bool:
+    """``[action, address, size, stream]``, as :func:`validate_probe.compact_trace` writes them."""
+    return (isinstance(e, list) and len(e) == 4 and isinstance(e[0], str)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in e[1:]))
+
+
 def read_trace(path: Path) -> dict:
     try:
         trace = json.loads(gzip.decompress(path.read_bytes()))
         if not isinstance(trace.get("events"), list):
             raise ValueError("no events list")
+        bad = next((e for e in trace["events"] if not is_event(e)), None)
+        if bad is not None:
+            raise ValueError(f"event {str(bad)[:60]} is not [action, address, size, stream]")
+        phases = trace.get("phases", [])
+        if not (isinstance(phases, list) and all(isinstance(p, str) for p in phases)):
+            raise ValueError("phases is not a list of names")
     except (OSError, ValueError, EOFError, gzip.BadGzipFile, AttributeError) as exc:
         raise UsageError(f"{path} is not a trace of validate_probe.py --traces ({exc})") from None
     return trace
@@ -224,14 +236,23 @@ class UsageError(Exception):
     """Bad input: one ``error:`` line, exit code 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose own errors are one ``error:`` line too, exit code 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("traces", nargs="+", type=Path, help="*.json.gz from validate_probe.py --traces")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args(argv)
     try:
         if args.json is not None and not args.json.parent.is_dir():
             raise UsageError(f"--json {args.json}: folder {args.json.parent} does not exist")
+        if args.json is not None and args.json.is_dir():
+            raise UsageError(f"--json {args.json} is a folder: give a file name")
         rows = [{"trace": path.name, **phase} for path in args.traces for phase in replay(read_trace(path))]
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -26,6 +26,7 @@ import os
 import sys
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,8 @@ def trim_wheel(src: Path, dst: Path, drop: Sequence[str]) -> Trimmed:
         raise TrimError(f"{src}: not a zip file (a wheel is one)")
     if not dst.parent.is_dir():
         raise TrimError(f"{dst.parent}: the output folder does not exist")
+    if dst.is_dir():
+        raise TrimError(f"{dst} is a folder: give the output wheel's file name")
     if dst.exists() and dst.resolve() == src.resolve():
         raise TrimError(f"{dst}: the output would overwrite the input")
     prefixes = tuple(drop)
@@ -122,8 +125,15 @@ def trim_wheel(src: Path, dst: Path, drop: Sequence[str]) -> Trimmed:
                    dropped_bytes=sum(i.file_size for i in dropped))
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose own errors are one ``error:`` line too, exit code 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Rewrite a wheel without the files under some path "
+    parser = Parser(description="Rewrite a wheel without the files under some path "
                                                  "prefixes, its RECORD kept consistent.")
     parser.add_argument("src", type=Path, help="the wheel to trim")
     parser.add_argument("dst", type=Path, help="the trimmed wheel to write (its folder must exist)")
@@ -134,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         res = trim_wheel(ns.src, ns.dst, ns.drop)
     except (TrimError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except (zlib.error, EOFError) as exc:  # an entry's compressed bytes are damaged
+        print(f"error: {ns.src}: a damaged wheel ({exc}): download it again", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"error: {exc.filename or ns.dst}: {exc.strerror or exc}", file=sys.stderr)

@@ -16,7 +16,7 @@ SIZE = 48
 DEFECTS = (
     "none",
     # the constructor
-    "init_raises", "init_exits",
+    "init_raises", "init_exits", "init_typeerror",
     # spaces
     "obs_not_image", "obs_dict_no_pixels", "obs_float_pixels", "obs_state_not_box", "action_multidiscrete",
     "action_2x2", "action_int_box", "action_discrete_start", "action_multibinary", "action_not_a_space",
@@ -45,6 +45,8 @@ class BrokenEnv(gym.Env):
             raise RuntimeError("cannot reach the robot arm")
         if self._now("init_exits"):
             sys.exit(3)
+        if self._now("init_typeerror"):  # a bug of its own, not an argument it refuses
+            self.gain = None * 2
         pixels = gym.spaces.Box(0, 255, (SIZE, SIZE, 3), np.uint8)
         spaces = {"pixels": pixels, "state": gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)}
         if defect == "obs_not_image":

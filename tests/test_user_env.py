@@ -74,6 +74,16 @@ def test_fuzz_a_broken_user_env_is_one_error_line_and_leaves_nothing_half_writte
         nothing_half_written(tmp_path / "run")
 
 
+def test_a_typeerror_in_the_constructor_is_bad_input_as_any_other_error_there(tmp_path, capsys):
+    """visppo.envs.make_env names a TypeError of the constructor's own code as the env's; before a
+    run, as a ValueError there, it is one error line, exit 2, without gymnasium's list of kwargs."""
+    code, err = run_main(capsys, "train", *overrides(tmp_path, "init_typeerror"))
+    assert code == 2, err
+    line = one_error_line(err, "env broken_envs:BrokenUnchecked-v0", "constructor raised TypeError (unsupported operand")
+    assert "environment creator" not in line
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_healthy_user_env_passes_the_check_and_trains(tmp_path, capsys):
     code, err = run_main(capsys, "train", *overrides(tmp_path, "none", env="Broken-v0"))
     assert code == 0, err

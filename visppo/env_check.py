@@ -22,7 +22,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from visppo.errors import ConfigError, EnvError, RunError, UserError
+from visppo.errors import ConfigError, EnvDied, EnvError, RunError, UserError
 
 FIX = "fix the env (or its env.kwargs)"
 
@@ -213,8 +213,10 @@ def check_env(cfg, make_env: Callable[[Any], gym.Env], seed: int = 0) -> None:
 def _check_env(cfg, name: str, seed: int, make_env) -> None:
     try:
         env = make_env(cfg)
-    except (UserError, RunError):  # EnvError: the process it runs in died (visppo.env_process)
+    except (UserError, EnvDied):  # the process it runs in died (visppo.env_process): a run error
         raise
+    except EnvError as exc:  # its constructor's own TypeError (visppo.envs.make_env): bad input, as any other's
+        raise ConfigError(str(exc)) from None
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's constructor
         raise ConfigError(f"env {name} could not be made: its constructor {raised(exc)}: {FIX}") from None
     try:

@@ -4,7 +4,7 @@ A user's env (``module:EnvId``) may segfault or call ``os._exit``; in the traini
 runs after that (exit 139, no message). :class:`EnvProcess` builds the env in a forkserver child
 and forwards ``reset``, ``step``, ``render``, ``close`` and (where the env has one) its side camera
 ``render_view`` to it through a pipe: what the env returns or raises (``sys.exit`` included)
-arrives unchanged, and a child that dies makes the call raise an :class:`EnvError` naming the env
+arrives unchanged, and a child that dies makes the call raise an :class:`EnvDied` naming the env
 and how its process ended. Vector envs of such envs step in gymnasium's async workers instead
 (:func:`visppo.envs.use_async`), whose deaths :func:`visppo.envs.worker_errors` names with
 :func:`how_it_ended`.
@@ -22,7 +22,7 @@ from typing import Any
 
 import gymnasium as gym
 
-from visppo.errors import EnvError
+from visppo.errors import EnvDied
 
 VIEW = "render_view"
 """The side camera of visppo's tasks and DMC envs (on the env's ``unwrapped``), which evaluation
@@ -112,12 +112,12 @@ class EnvProcess(gym.Env):
             self._end()
             code = self._process.exitcode
             if method == "constructor" and code is not None and code > 0:  # it never answered
-                raise EnvError(f"env {self.name}: the process it runs in exited with code {code} before the "
+                raise EnvDied(f"env {self.name}: the process it runs in exited with code {code} before the "
                                "env was built: see the error printed above (a script that starts visppo needs "
                                "the `if __name__ == \"__main__\":` guard of multiprocessing), or os._exit in "
                                "the env's constructor") from None
             where = "its constructor" if method == "constructor" else f"{method}()"
-            raise EnvError(f"env {self.name}: during {where}, the process it runs in {how_it_ended(code)}") from None
+            raise EnvDied(f"env {self.name}: during {where}, the process it runs in {how_it_ended(code)}") from None
         if status == "raised":
             raise value
         return value

@@ -259,6 +259,7 @@ def make_env(cfg: Config, stream: int = seeding.TRAIN) -> gym.Env:
         if refused_arguments(exc, entry=_entry_name(cfg.env.id)):
             raise ConfigError(f"env.id {cfg.env.id} refused its arguments ({exc}): check env.kwargs") from None
         first = (str(exc).strip().splitlines() or [""])[0]
+        first = first.split(" was raised from the environment creator")[0]  # gymnasium's list of the kwargs
         raise EnvError(f"env {cfg.env.id}: its constructor raised TypeError ({first}): fix the env") from None
 
 

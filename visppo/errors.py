@@ -25,6 +25,11 @@ class EnvError(RunError):
     died): the message names the env; the training loop adds what the run kept on disk."""
 
 
+class EnvDied(EnvError):
+    """The process an env runs in died (:mod:`visppo.env_process`): the run cannot go on, whatever
+    stage it was at (the env check before a run included)."""
+
+
 class Stopped(BaseException):
     """A run stopped by SIGINT / SIGTERM once its final checkpoint is written: the CLI prints the
     message (where the checkpoint is, how to resume) and exits 128 + the signal (130, 143).

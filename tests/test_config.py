@@ -77,6 +77,8 @@ def test_round_trip_through_plain_dict():
     (["model.keypoints=0"], "model.keypoints"),
     (["model.encoder=drq", "model.keypoints=64"], "model.keypoints"),
     (["env.image_size=12", "model.keypoint_stride=8"], "env.image_size"),
+    (["model.init_log_std=100"], "model.init_log_std must be between -20 and 5"),
+    (["model.init_log_std=-60"], "model.init_log_std must be between -20 and 5"),
 ])
 def test_bad_values_are_refused_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -95,6 +95,10 @@ def test_a_base_file_is_merged_under_the_config_and_its_errors_are_named(tmp_pat
     (tmp_path / "b.yaml").write_text("base: a.yaml\nppo:\n  num_envs: 2\n")
     cfg = load_config(tmp_path / "b.yaml")
     assert (cfg.ppo.num_epochs, cfg.ppo.num_envs, cfg.env.frame_stack) == (7, 2, 2)
+    # a section whose keys are all commented out keeps the base's, as "ppo: {}" does
+    (tmp_path / "c.yaml").write_text("base: a.yaml\nppo:\n  # num_envs: 2\nenv:\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert (cfg.ppo.num_epochs, cfg.ppo.num_envs, cfg.env.frame_stack) == (7, 4, 2)
     (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
     (tmp_path / "missing.yaml").write_text("base: nowhere.yaml\n")
     for name, words in [("loop.yaml", "loop"), ("missing.yaml", "is not a file")]:

@@ -27,6 +27,12 @@ def test_config_reference_in_docs_is_current():
     assert text == tool.rewrite(text), f"{tool.DOC} is out of date with visppo/config.py: run {tool.FIX}"
 
 
+def test_config_reference_check_of_a_missing_file_is_bad_input_not_out_of_date(tmp_path, capsys):
+    assert _config_reference().main(["--check", str(tmp_path / "nowhere.md")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot read") and len(err.strip().splitlines()) == 1, err
+
+
 def test_config_reference_rewrite_touches_only_the_block():
     tool = _config_reference()
     text = f"# title\n\nbefore\n{tool.START}\nstale\n{tool.END}\nafter\n"

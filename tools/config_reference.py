@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from visppo.atomic import atomic_write_text
 from visppo.config import field_docs
 
 START = "<!-- config-reference:start -->"
@@ -65,7 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(reference())
         return 0
     path = args.write or args.check
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:  # exit 1 means "out of date": a wrong path is not that
+        print(f"error: cannot read {path}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        return 2
     if current_block(text) is None:
         print(f"error: {path} has no {START} ... {END} block", file=sys.stderr)
         return 2
@@ -76,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     if new != text:
-        path.write_text(new)
+        atomic_write_text(path, new)
         print(f"rewrote the configuration reference in {path}")
     else:
         print(f"{path} is up to date")

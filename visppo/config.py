@@ -95,11 +95,11 @@ class ModelConfig:
     state_hidden_dim: int = 64
     """Width of the MLP branch for the proprioceptive vector."""
     shared_layers: int = 0
-    """Tanh layers of hidden_dim over the encoder's features (pixels and state concatenated), trained by both losses before the actor's and critic's own hidden layer; 0: the heads read the features directly."""
+    """Tanh layers of hidden_dim over the encoder's features (pixels and state concatenated), before the actor's and critic's own hidden layer: trained by both losses with a shared encoder, each encoder's own copy by its head's loss with share_encoder=false; 0: the heads read the features directly."""
     share_encoder: bool = True
     """Actor and critic share one encoder; false gives the critic its own (a second encoder's forward and backward in every update). (evidence: docs/learning.md)"""
     init_log_std: float = -0.5
-    """Initial log standard deviation of the Gaussian policy (Box actions); -0.5 is std 0.61. (evidence: docs/learning.md)"""
+    """Initial log standard deviation of the Gaussian policy (Box actions), between -20 and 5; -0.5 is std 0.61. (evidence: docs/learning.md)"""
 
 
 @dataclass
@@ -113,7 +113,7 @@ class PPOConfig:
     num_epochs: int = 4
     """Passes over the rollout per iteration. (evidence: docs/learning.md)"""
     total_steps: int = 100_000
-    """Environment steps (summed over envs) to train for (the learning rate anneals to 0 there)."""
+    """Agent steps (policy decisions, summed over envs: frames / env.action_repeat) to train for (the learning rate anneals to 0 there)."""
     learning_rate: float = 1e-3
     """Adam learning rate at the start. (evidence: docs/learning.md)"""
     anneal_lr: bool = True
@@ -318,6 +318,8 @@ def read_config_file(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     base_path = path.parent / base
     if not base_path.is_file():
         raise ConfigError(f"{path}: its base {base} ({base_path}) is not a file: fix the base key")
+    # a section left empty (``ppo:`` with its keys commented out) keeps the base's keys, as ``ppo: {}``
+    data = {k: {} if v is None and k in _known_keys("") else v for k, v in data.items()}
     return _merge(read_config_file(base_path, (*seen, path)), data)
 
 
@@ -686,6 +688,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.threads must be at most {MAX_THREADS} (0: torch's default), got {cfg.train.threads}")
     if not 0 <= cfg.train.seed < 2**31:  # numpy takes 32-bit seeds; env and rank seeds are added to it
         raise ConfigError(f"train.seed must be in 0 .. 2**31 - 1, got {cfg.train.seed}")
+    if not -20 <= cfg.model.init_log_std <= 5:  # exp() beyond: a std of inf or a variance of 0, so NaN log-probs
+        raise ConfigError(f"model.init_log_std must be between -20 and 5 (std 2e-9 to 148), got {cfg.model.init_log_std}")
     if cfg.env.render_samples < -1:
         raise ConfigError(f"env.render_samples must be -1 (the env's own) or >= 0, got {cfg.env.render_samples}")
     _validate_relations(cfg)

@@ -206,6 +206,32 @@ def test_a_branch_from_an_earlier_checkpoint_is_the_runs_head_before_its_first_s
     assert steps == [64, 128, 192, 256]
 
 
+def test_a_resume_stopped_once_the_logs_dropped_the_later_rows_is_on_the_branch(tmp_path, monkeypatch):
+    """A Ctrl-C (or a full disk, a kill) just after the logger dropped the rows after iteration 2:
+    latest.pt is already iteration 2's, so the run and its log agree, and `--resume RUN` fills in
+    every row."""
+    import visppo.loop as loop_module
+
+    run_dir = train(load_config(None, tiny_overrides(tmp_path, **EXACT, **{"run.keep_checkpoints": 10})))
+    cfg, ckpt = load_for_resume(run_dir / "checkpoints" / "iter_000002.pt")
+    real = loop_module.Logger
+
+    def opened_then_stopped(*args, **kwargs):
+        real(*args, **kwargs).close()  # the rows after the checkpoint are gone now
+        raise Interrupted
+
+    monkeypatch.setattr(loop_module, "Logger", opened_then_stopped)
+    with pytest.raises(Interrupted):
+        train(cfg, resume=ckpt)
+    monkeypatch.undo()
+    assert [int(r["global_step"]) for r in csv.DictReader((run_dir / "metrics.csv").open())] == [64, 128]
+    assert load(run_dir / "checkpoints" / "latest.pt")["iteration"] == 2
+    cfg, ckpt = load_for_resume(run_dir)
+    train(cfg, resume=ckpt)
+    steps = [int(r["global_step"]) for r in csv.DictReader((run_dir / "metrics.csv").open())]
+    assert steps == [64, 128, 192, 256]
+
+
 def test_a_checkpoint_written_after_it_was_read_stops_the_resume(tmp_path):
     """The resume read the checkpoint before it took the run's lock: if the run that held the lock
     saved in between, going on from the older state would redo that work over it."""

@@ -324,7 +324,7 @@ def check_unchanged(ckpt: dict) -> None:
 
 
 def make_head(run_dir: Path, ckpt: dict) -> None:
-    """A resume from an earlier ``iter_N.pt`` makes that file the run's ``latest.pt`` as the logs
+    """A resume from an earlier ``iter_N.pt`` makes that file the run's ``latest.pt`` before the logs
     drop what came after it, so that a crash before the branch's first checkpoint leaves
     ``--resume RUN`` on the branch, not on the abandoned one whose metrics rows are gone."""
     if SOURCE not in ckpt:

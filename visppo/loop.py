@@ -202,9 +202,7 @@ def start_run(cfg: Config, resume: dict | None) -> Iterator[Run]:
                 stack.enter_context(forget_if_unstarted(run_dir, created))
             else:
                 ckpt_io.check_unchanged(resume)
-            open_logs(run, resume is not None)  # a bad metrics.csv is refused here, before it changes
-            if resume is not None:
-                ckpt_io.make_head(run_dir, resume)
+            open_logs(run, resume)  # a bad metrics.csv is refused here, before it changes
             stack.callback(run.logger.close)
             run.profiler = iteration_profiler(run_dir) if cfg.train.profile else None
         with run.profiler or _nothing():
@@ -366,12 +364,13 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
                updates_since_row=tuple(resume.get("updates_since_row", (0, 0))) if resume is not None else (0, 0))
 
 
-def open_logs(run: Run, resuming: bool) -> None:
+def open_logs(run: Run, resume: dict | None) -> None:
     """Rank 0: create the run directory (only now: bad input leaves nothing behind), write the
     resolved config (and, for an env built in code, which no other process can make, policy.json:
     the run's checkpoints then load anywhere, whatever ends the run, a SIGKILL too), open the
-    logger and say where the run lives."""
-    cfg, sizes = run.cfg, run.setup.sizes
+    logger and say where the run lives. A resume from an earlier checkpoint makes it the run's
+    head before the logger drops what came after it (:func:`visppo.checkpoint.make_head`)."""
+    cfg, sizes, resuming = run.cfg, run.setup.sizes, resume is not None
     run.dir.mkdir(parents=True, exist_ok=True)
     if not resuming:
         atomic_write_text(run.dir / "config.yaml", to_yaml(cfg))
@@ -380,6 +379,8 @@ def open_logs(run: Run, resuming: bool) -> None:
     check_metrics(run.dir / "metrics.csv")  # a resume refused for it starts no W&B run and changes nothing
     tracker = open_tracker(cfg, run.dir, resuming)  # and one W&B refuses drops no row, event or video
     try:
+        if resume is not None:  # whatever stops the run from here on, --resume RUN goes on from this branch
+            ckpt_io.make_head(run.dir, resume)
         run.logger = Logger(run.dir, run.num_iterations * run.global_rollout, initial_step=run.global_step,
                             tensorboard=cfg.run.tensorboard, progress=cfg.run.progress, tracker=tracker,
                             first_iteration=run.first_iteration)

@@ -118,6 +118,12 @@ def test_a_code_env_run_that_fails_before_its_first_row_leaves_nothing(tmp_path)
     assert not (tmp_path / "run").exists()
 
 
+def test_a_resume_refuses_a_config_beside_it(tmp_path):
+    """The run's saved config is what a resume trains on: a config given too would be ignored."""
+    with pytest.raises(ConfigError, match="resume= trains on the run's saved config"):
+        visppo.train({"ppo": {"learning_rate": 0.5}}, resume=tmp_path / "run")
+
+
 def test_a_code_env_run_that_fails_loads_anywhere_and_resumes_with_its_env(tmp_path, monkeypatch):
     """The run's checkpoints stay usable: policy.json is written though the run failed, the error
     says to resume with the Python call (the command line cannot build the env), and that call goes on."""

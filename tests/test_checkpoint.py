@@ -49,9 +49,12 @@ def test_a_checkpoint_with_a_pickled_payload_is_refused_and_never_runs(tmp_path,
     monkeypatch.setenv("VISPPO_MARKER", str(marker))
     path = tmp_path / "evil.pt"
     torch.save({"model": {}, "payload": Payload()}, path)
-    with pytest.raises(CheckpointError, match="refused"):
+    with pytest.raises(CheckpointError, match="refused") as refused:
         load(path)
     assert not marker.exists()
+    # the message names what was refused, without torch's advice or its terminal escape codes
+    assert "unsupported global posix.system" in str(refused.value) or "unsupported global os.system" in str(refused.value)
+    assert "\x1b" not in str(refused.value) and "two options" not in str(refused.value)
 
 
 def test_corrupt_and_missing_checkpoints(tmp_path):
@@ -118,7 +121,7 @@ def _save(run_dir, iteration, keep):
 
 
 def _numbered(run_dir):
-    return [int(p.stem[5:]) for p in sorted((run_dir / "checkpoints").glob("iter_*.pt"))]
+    return sorted(int(p.stem[5:]) for p in (run_dir / "checkpoints").glob("iter_*.pt"))
 
 
 def test_checkpoints_keep_the_last_few_numbered_ones_and_latest_is_the_newest(tmp_path):
@@ -126,6 +129,13 @@ def test_checkpoints_keep_the_last_few_numbered_ones_and_latest_is_the_newest(tm
         _save(tmp_path, iteration, keep=3)
     assert _numbered(tmp_path) == [3, 4, 5]
     assert load(tmp_path / "checkpoints" / "latest.pt")["iteration"] == 5
+
+
+def test_pruning_goes_by_number_past_a_million_iterations(tmp_path):
+    """iter_999999.pt sorts after iter_1000000.pt by name: by number it is the older, and goes."""
+    for iteration in (999_998, 999_999, 1_000_000, 1_000_001):
+        _save(tmp_path, iteration, keep=2)
+    assert _numbered(tmp_path) == [1_000_000, 1_000_001]
 
 
 def test_a_branch_resumed_from_an_older_checkpoint_keeps_its_own_newest_ones(tmp_path):

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import tiny_overrides
+from conftest import one_error_line, tiny_overrides
 
 from visppo.cli import _run, main, parse
 
@@ -163,6 +163,27 @@ def test_resume_refuses_changing_the_maths(tmp_path, capsys):
     assert code == 2 and "ppo.num_envs cannot change when resuming" in err
     code, err = run_main(capsys, "train", "--resume", str(tmp_path / "run"))
     assert code == 2 and "already reached" in err
+    # a config path, even one holding '=' (a sweep's folder), or a stray word after the overrides
+    (tmp_path / "lr=3e-4").mkdir()
+    (tmp_path / "lr=3e-4" / "c.yaml").write_text("ppo:\n  num_envs: 2\n")
+    for extra in ([str(tmp_path / "lr=3e-4" / "c.yaml")], ["ppo.total_steps=256", "typo"]):
+        code, err = run_main(capsys, "train", "--resume", str(tmp_path / "run"), *extra)
+        assert code == 2 and "--resume takes the saved config" in err and "cannot change" not in err, err
+
+
+@pytest.mark.parametrize("command", [["config", "{long}.yaml"], ["train", "--resume", "{long}"], ["eval", "{long}"]])
+def test_a_path_with_a_name_too_long_is_bad_input(tmp_path, capsys, command):
+    long = str(tmp_path / ("x" * 300))
+    code, err = run_main(capsys, *(c.replace("{long}", long) for c in command))
+    assert code == 2, err
+    one_error_line(err, "too long")
+
+
+def test_argparse_errors_point_to_the_help_of_the_command_given(capsys):
+    code, err = run_main(capsys, "fly")
+    assert code == 2 and err.strip().endswith("(see visppo --help)"), err
+    code, err = run_main(capsys, "train", "--bogus")
+    assert code == 2 and err.strip().endswith("(see visppo train --help)"), err
 
 
 def test_eval_of_a_missing_checkpoint(tmp_path, capsys):

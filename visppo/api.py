@@ -43,12 +43,16 @@ def train(config: str | os.PathLike | Mapping | Config | None = None, *,
     ``resume``: a run directory (or one of its ``checkpoints/iter_N.pt``) to go on from, as
     ``visppo train --resume`` does, with only the overrides a resume takes; a run on an env built
     in code needs that env again (``env=``), since no other process can build it.
-    Bad input raises :class:`visppo.config.ConfigError` before anything is written.
+    Bad input raises :class:`visppo.errors.UserError` (a config: its ConfigError; a checkpoint that
+    cannot be resumed: CheckpointError) before anything is written.
     """
     from visppo.loop import train as run_loop
 
     ckpt = None
     if resume is not None:
+        if config is not None:  # the CLI refuses a CONFIG beside --resume alike
+            raise ConfigError("resume= trains on the run's saved config: give only the overrides a resume "
+                              "takes (e.g. ppo__total_steps=...), not config")
         cfg, ckpt = resume_config(resume, overrides, env)
     else:
         cfg = make_config(config, overrides, env)

@@ -13,6 +13,7 @@ import fcntl
 import os
 import pickle
 import random
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -73,9 +74,8 @@ def load(path: str | Path) -> dict[str, Any]:
         if "global" not in str(exc).lower():  # garbage, not a pickle whose classes were refused
             raise CheckpointError(f"checkpoint {path} is corrupt or not a visppo checkpoint "
                                   f"(UnpicklingError){_other_checkpoints(path)}") from None
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unsafe content"
         raise CheckpointError(f"checkpoint {path} was refused: it holds objects other than tensors "
-                              f"and plain data ({first[:160]}); only load files you trust") from None
+                              f"and plain data ({refused_global(exc)}); only load files you trust") from None
     except Exception as exc:  # truncated or not a torch file (torch reports some as OSErrors), or unreadable
         if isinstance(exc, OSError) and exc.errno in UNREADABLE:
             raise CheckpointError(f"checkpoint {path} cannot be read ({exc.strerror or exc}): fix its "
@@ -89,6 +89,16 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} holds non-finite weights ({bad}): it cannot act or "
                               f"train{_other_checkpoints(path)}")
     return ckpt
+
+
+def refused_global(exc: Exception) -> str:
+    """What torch's weights-only unpickler refused, from its message (a few paragraphs of advice,
+    with terminal escape codes): "unsupported global NAME", or the refusal's first words."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", text, re.IGNORECASE)  # both of torch's wordings
+    if found:
+        return f"unsupported global {found.group(1)}"
+    return " ".join(text.split())[:120] or "unsafe content"
 
 
 def non_finite(state: Any) -> str:
@@ -109,6 +119,12 @@ def _other_checkpoints(path: Path) -> str:
         return ": use another checkpoint"
     return (f": use an earlier one of the run, e.g. visppo train --resume {others[0]} (or visppo eval "
             f"{others[0]}); the run has {', '.join(p.name for p in others[:4])}")
+
+
+def _iteration_of(path: Path) -> int:
+    """N of ``iter_N.pt``, by number: past iteration 999,999 the names grow a digit and sort wrong."""
+    digits = path.stem.removeprefix("iter_")
+    return int(digits) if digits.isdigit() else -1
 
 
 def _newest_first(paths) -> list[Path]:
@@ -261,7 +277,7 @@ def save_checkpoint(run_dir: Path, cfg: Config, policy: torch.nn.Module, optimiz
     atomic_save(state, numbered)
     # Only this iteration and those before it are pruned: a resume from an older iter_N.pt leaves the
     # abandoned branch's later files, which must not take the places of this branch's newest ones.
-    old = sorted(path for path in folder.glob("iter_*.pt") if path.name <= numbered.name)
+    old = sorted((path for path in folder.glob("iter_*.pt") if _iteration_of(path) <= iteration), key=_iteration_of)
     for path in old[: max(0, len(old) - cfg.run.keep_checkpoints)]:
         path.unlink(missing_ok=True)
     return folder / "latest.pt"
@@ -345,7 +361,10 @@ def load_for_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] 
     source = run_dir
     run_dir, latest = resume_paths(source)
     for item in overrides:
-        key = item.split("=", 1)[0].strip()
+        key, eq, _ = item.partition("=")
+        key = key.strip()
+        if not eq or "/" in key:  # a config file's path: the saved config is the run's
+            raise ConfigError(f"'{item}' is not a key=value override: --resume takes the run's saved config")
         if key not in RESUMABLE:
             raise ConfigError(f"{key} cannot change when resuming (only {', '.join(RESUMABLE)}); "
                               "start a new run for other changes")

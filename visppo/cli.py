@@ -22,7 +22,7 @@ from visppo.errors import ConfigError, RunError, Stopped, UserError
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own errors: same one-line form
-        self.exit(2, f"error: {message} (see visppo {self.prog.split()[-1]} --help)\n")
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")  # prog: "visppo" or "visppo train"
 
 
 _OVERRIDE = re.compile(r"[^=/]*=")
@@ -45,7 +45,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from visppo.loop import train
 
     if ns.resume:
-        if ns.args and "=" not in ns.args[0]:
+        if any(not _OVERRIDE.match(a) for a in ns.args):  # a config path, even one holding '='
             raise ConfigError("--resume takes the saved config: give only key=value overrides, no CONFIG")
         cfg, ckpt = load_for_resume(ns.resume, ns.args)
         run_dir = train(cfg, resume=ckpt)
@@ -298,6 +298,11 @@ def _run(ns: argparse.Namespace) -> int:
         return 130
     except OSError as exc:  # a file system that failed the command: the file and the cause
         where = f" {exc.filename}" if exc.filename else ""
+        if exc.errno == errno.ENAMETOOLONG:  # a path the user gave: bad input
+            name = str(exc.filename or "")
+            shown = name if len(name) <= 80 else f"{name[:77]}..."
+            print(f"error: the path {shown} is too long (a name over 255 bytes): choose a shorter one", file=sys.stderr)
+            return 2
         verb = "cannot write" if exc.errno in _WRITE_ERRNOS else "cannot use"
         print(f"error: {verb}{where}: {exc.strerror or exc}", file=sys.stderr)
         return 1

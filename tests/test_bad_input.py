@@ -253,7 +253,7 @@ def test_item3_a_camera_that_does_not_exist_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize("override,key", [
     ("ppo.num_steps=1000000000", "ppo.num_steps"),  # 10**9: the rollout buffer
     ("env.image_size=100000", "env.image_size"),  # the envs' frames and the buffer
-    ("model.hidden_dim=1e6", "model.hidden_dim"),  # the policy's weights
+    ("model.hidden_dim=1e8", "model.hidden_dim"),  # the policy's weights (its heads: hidden_dim x the features)
     ("model.feature_dim=1e30", "model.feature_dim"),  # more than torch's int64 sizes
 ])
 def test_item7_absurd_sizes_name_the_key_and_the_memory_they_need(tmp_path, capsys, override, key):
@@ -262,6 +262,21 @@ def test_item7_absurd_sizes_name_the_key_and_the_memory_they_need(tmp_path, caps
     line = one_error_line(err, key)
     assert "would need" in line or "out of range" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_the_policys_size_is_its_encoders_not_the_nature_cnns(monkeypatch):
+    """The policy's bytes come from the policy the config builds: DrQ-v2's encoder at 512x512 (7.6
+    GiB with gradients and Adam) does not fit 4 GiB, where a torchvision backbone, whose size does
+    not grow with the frames, fits at any model.resize (the old formula read the Nature CNN's)."""
+    import visppo.builders as builders
+
+    monkeypatch.setattr(builders, "total_memory", lambda device: 4 * 2**30)
+    cpu = torch.device("cpu")
+    drq = load_config(None, ["model.encoder=drq", "env.image_size=512", "ppo.num_envs=1", "ppo.num_steps=16",
+                             "ppo.minibatch_size=16"])
+    with pytest.raises(ConfigError, match=r"env.image_size=512 is too large: the policy and its optimizer would need 7\.\d+ GiB"):
+        builders.check_memory(drq, cpu, cpu)
+    builders.check_memory(load_config(None, ["model.encoder=resnet18", "model.resize=4096"]), cpu, cpu)
 
 
 def test_item5_a_full_disk_while_logging_keeps_the_checkpoints_and_metrics(tmp_path, capsys, monkeypatch):

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import random
+from types import SimpleNamespace
 
 import gymnasium as gym
 import numpy as np
 import torch
 
-from visppo.config import Config
+from visppo.config import TORCHVISION_ENCODERS, Config
 from visppo.errors import ConfigError
 from visppo.memory import format_bytes
 from visppo.policy import ActorCritic
@@ -45,20 +46,40 @@ SQUARED = ("env.image_size", "model.hidden_dim")
 """Keys that memory grows with as their square."""
 
 
+class _Shapes(dict):
+    """What :class:`ActorCritic` reads of an observation space, its entries' shapes, without the
+    bounds arrays a gym Box of a frame allocates (gigabytes for the absurd sizes refused here)."""
+
+    @property
+    def spaces(self) -> dict:
+        return self
+
+
+def policy_parameters(cfg: Config) -> int:
+    """The policy's parameter count for the config's frames, built on the meta device (nothing is
+    allocated). The env is not made yet, so its state and action sizes count as 32 and 8: a few
+    thousand weights either way."""
+    e = cfg.env
+    obs = _Shapes(pixels=SimpleNamespace(shape=(3 * e.frame_stack, e.image_size, e.image_size)))
+    if e.state:
+        obs["state"] = SimpleNamespace(shape=(32,))
+    with torch.device("meta"):
+        policy = ActorCritic(obs, gym.spaces.Box(-1, 1, (8,), np.float32), cfg.model)
+    return sum(p.numel() for p in policy.parameters())
+
+
 def memory_needs(cfg: Config, buffer_device: torch.device, device: torch.device) -> list[tuple]:
     """(what, bytes at least, on which device, the keys it grows with) for the big allocations."""
     e, p, m = cfg.env, cfg.ppo, cfg.model
     frame = 3 * e.image_size ** 2 * e.frame_stack if e.pixels else 0
-    side = m.resize or e.image_size
-    weights = 4 * m.hidden_dim ** 2 + (2 * m.hidden_dim + 64 * (side // 8) ** 2) * m.feature_dim
-    weights += m.state_hidden_dim * (m.hidden_dim + m.feature_dim) if e.state else 0
-    weights += m.shared_layers * m.hidden_dim * max(m.hidden_dim, m.feature_dim + m.state_hidden_dim)
+    # a torchvision backbone pools its features: its size does not grow with the frames'
+    grows_with_frames = () if m.encoder in TORCHVISION_ENCODERS else ("env.image_size",)
     return [("the rollout buffer", p.num_steps * p.num_envs * (frame + 64), buffer_device,
              ("ppo.num_steps", "ppo.num_envs", "env.image_size", "env.frame_stack")),
             ("the envs' frames", 4 * p.num_envs * frame, torch.device("cpu"),
              ("ppo.num_envs", "env.image_size", "env.frame_stack")),
-            ("the policy and its optimizer", 16 * weights, device,  # fp32 weights, gradients, Adam's two
-             ("model.hidden_dim", "model.feature_dim", "model.state_hidden_dim", "env.image_size"))]
+            ("the policy and its optimizer", 16 * policy_parameters(cfg), device,  # fp32 weights, gradients, Adam's two
+             ("model.hidden_dim", "model.feature_dim", "model.state_hidden_dim", *grows_with_frames))]
 
 
 def check_memory(cfg: Config, buffer_device: torch.device, device: torch.device) -> None:

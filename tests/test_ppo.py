@@ -2,7 +2,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from conftest import infer_with, setup_of, update_with
+from conftest import infer_with, setup_of, tiny_overrides, update_with
 
 from visppo.buffer import RolloutBuffer
 from visppo.config import ModelConfig, PPOConfig
@@ -347,3 +347,103 @@ def test_target_kl_stops_above_one_and_a_half_times_the_target(factor, steps):
     assert (res.optimizer_steps >= 1) == steps
     if not steps:
         assert res.stop_kl == pytest.approx(kl, rel=1e-5)
+
+
+@pytest.mark.parametrize("norm_adv", [True, False])
+def test_advantages_are_normalised_over_each_minibatch(norm_adv, monkeypatch):
+    """``ppo.norm_adv``: every minibatch's gradient is handed its advantages centred and scaled by
+    that minibatch's own mean and unbiased std (not the rollout's); off: the raw ones."""
+    import visppo.ppo as ppo
+
+    policy, buf = _setup()
+    buf.advantages.mul_(3.0).add_(2.0)  # far from mean 0, std 1: normalised and raw differ clearly
+    flat = buf.flat(buf.advantages).clone()
+    seen = []
+    real = ppo.minibatch_gradient
+
+    def recording(policy, buffer, mb, advantages, setup):
+        seen.append((mb.clone(), advantages.clone()))
+        return real(policy, buffer, mb, advantages, setup)
+
+    monkeypatch.setattr(ppo, "minibatch_gradient", recording)
+    update_with(policy, torch.optim.SGD(policy.parameters(), lr=1e-3), buf,
+                PPOConfig(num_epochs=2, minibatch_size=10, norm_adv=norm_adv), 3, 8,
+                torch.Generator().manual_seed(0))
+    assert [len(mb) for mb, _ in seen] == [10, 10, 4] * 2
+    for mb, adv in seen:
+        a = flat[mb]
+        expected = (a - a.mean()) / (a.std() + 1e-8) if norm_adv else a
+        torch.testing.assert_close(adv, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_gradient_norm_above_max_grad_norm_is_clipped_to_it():
+    """One SGD step (lr eta) on a minibatch whose gradient norm |g| exceeds ``ppo.max_grad_norm``
+    moves the parameters by ``-eta * g * max_grad_norm / |g|``; the result reports |g|, the norm
+    before clipping."""
+    policy, buf = _setup()
+    cfg = PPOConfig(num_epochs=1, minibatch_size=buf.size, max_grad_norm=0.1)
+    full, _ = _reference_grads(policy, buf, torch.arange(buf.size), cfg)
+    norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in full.values()])))
+    assert norm > 5 * cfg.max_grad_norm
+    policy.zero_grad(set_to_none=True)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    eta = 0.5
+    res = update_with(policy, torch.optim.SGD(policy.parameters(), lr=eta), buf, cfg, 7, 8,
+                      torch.Generator().manual_seed(0))
+    assert res.optimizer_steps == 1 and res.grad_norm > cfg.max_grad_norm
+    assert res.grad_norm == pytest.approx(norm, rel=1e-5)
+    for name, p in policy.named_parameters():
+        expected = -eta * full[name] * cfg.max_grad_norm / norm if name in full else torch.zeros_like(p)
+        torch.testing.assert_close(p.detach() - before[name], expected, rtol=1e-4, atol=1e-7,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _fp16_update(scaler, cfg, micro=3):
+    """``update`` on the CPU in fp32 with or without a GradScaler, with the optimizer visppo builds
+    (fused Adam); the parameters after it, the result and the optimizer."""
+    from visppo.builders import build_optimizer
+    from visppo.config import load_config
+    from visppo.ppo import update
+    from visppo.precision import Precision
+
+    policy, buf = _setup()
+    optimizer = build_optimizer(load_config(None, tiny_overrides()), policy)
+    res = update(policy, optimizer, buf, setup_of(cfg, micro, generator=torch.Generator().manual_seed(0),
+                                                  precision=Precision(CPU, None, scaler)))
+    return [p.detach().clone() for p in policy.parameters()], res, optimizer
+
+
+def test_a_grad_scaler_gives_the_unscaled_update():
+    """fp16's loss scaling changes nothing but the numbers' range: with a GradScaler, visppo's fused
+    Adam over uneven micro-batches (3, 3, 3, 1) takes the steps it takes without one, and the
+    clipped norm is the true one: the gradient is unscaled once, before clipping."""
+    cfg = PPOConfig(num_epochs=1, minibatch_size=10, max_grad_norm=2.0)  # norms 1.9, 3.3, 1.3: one clips
+    plain, plain_res, _ = _fp16_update(None, cfg)
+    scaler = torch.amp.GradScaler("cpu")
+    scaled, scaled_res, _ = _fp16_update(scaler, cfg)
+    assert scaler.get_scale() == 65536.0  # no overflow: the scale the comparison ran under
+    assert scaled_res.optimizer_steps == plain_res.optimizer_steps == 3 and scaled_res.skipped_steps == 0
+    assert scaled_res.grad_norm == pytest.approx(plain_res.grad_norm, rel=1e-6)
+    for a, b in zip(scaled, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_grad_scaler_skips_an_overflowing_step_and_lowers_the_scale(monkeypatch):
+    """An infinite gradient under a GradScaler is skipped: no step (parameters and Adam's state as
+    they were), counted in ``skipped_steps`` but not as divergence, and the scale halved."""
+    import visppo.ppo as ppo
+
+    real = ppo.ppo_loss
+
+    def overflowing(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        return loss * float("inf"), stats
+
+    monkeypatch.setattr(ppo, "ppo_loss", overflowing)
+    start = [p.detach().clone() for p in _setup()[0].parameters()]
+    scaler = torch.amp.GradScaler("cpu")
+    params, res, optimizer = _fp16_update(scaler, PPOConfig(num_epochs=1, minibatch_size=24), micro=7)
+    assert res.skipped_steps == 1 and res.optimizer_steps == 0 and res.trailing_skips == 0
+    assert all(torch.equal(a, b) for a, b in zip(params, start, strict=True))
+    assert not optimizer.state  # Adam's moments and step count untouched
+    assert scaler.get_scale() == 65536.0 * scaler.get_backoff_factor()

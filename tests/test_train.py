@@ -180,7 +180,9 @@ def test_phase_times_are_logged_and_profile_records_one_iteration(tmp_path):
 
 def test_norm_reward_hands_the_update_the_same_rewards_whatever_the_task_scale():
     """Rewards 1000x larger give the same scaled rewards (GAE and the value loss then see the
-    same numbers); scaled rewards have about unit discounted-return std."""
+    same numbers); scaled rewards have about unit discounted-return std. Each env's running return
+    restarts after every episode end, a time-limit truncation as well as a termination, also in
+    the return it carries into the next rollout."""
     import gymnasium as gym
     import numpy as np
 
@@ -193,15 +195,27 @@ def test_norm_reward_hands_the_update_the_same_rewards_whatever_the_task_scale()
     gen = torch.Generator().manual_seed(0)
     rewards = torch.rand(64, 4, generator=gen)
     ends = torch.rand(64, 4, generator=gen) > 0.95
-    scaled = []
+    truncated = ends & (torch.rand(64, 4, generator=gen) > 0.5)
+    terminated = ends & ~truncated
+    truncated[-1, 0] = True  # an env whose last step is a truncation: nothing carried on
+    ends = terminated | truncated
+    assert terminated.sum() >= 3 and truncated.sum() >= 3
+    scaled, scales = [], []
     for factor in (1.0, 1000.0):
         buf = RolloutBuffer(64, 4, space, act)
         buf.rewards[:] = rewards * factor
-        buf.terminated[:] = ends
+        buf.terminated[:] = terminated
+        buf.truncated[:] = truncated
         scale = ReturnScale(4, 0.99)
         scale_rewards(buf, scale, distributed.Context.from_env())
         scaled.append(buf.rewards.clone())
+        scales.append(scale)
     assert torch.allclose(scaled[0], scaled[1], rtol=1e-4)
+    ref = ReturnScale(4, 0.99)
+    ref.add(ref.discounted_returns(rewards, ends))
+    torch.testing.assert_close(scaled[0], rewards / ref.std)
+    torch.testing.assert_close(scales[0].running, ref.running)
+    assert scales[0].running[0] == 0.0
     check = ReturnScale(4, 0.99)
     assert check.discounted_returns(scaled[0], ends).std().item() == pytest.approx(1.0, rel=0.05)
 

@@ -133,6 +133,25 @@ def test_env_kwargs_that_are_not_a_mapping_are_refused_naming_the_key(tmp_path, 
     assert load_config(None, ["env.kwargs={look: published}"]).env.kwargs == {"look": "published"}
 
 
+def test_env_kwargs_given_whole_replace_the_configs_and_one_key_sets_one(tmp_path):
+    path = tmp_path / "kw.yaml"
+    path.write_text("env:\n  kwargs: {frame_skip: 8, look: fast}\n")
+    assert load_config(path, ["env.kwargs={}"]).env.kwargs == {}
+    assert load_config(path, ["env.kwargs={look: published}"]).env.kwargs == {"look": "published"}
+    assert load_config(path, ["env.kwargs.look=published"]).env.kwargs == {"frame_skip": 8, "look": "published"}
+
+
+def test_overrides_as_typed_are_read_as_meant():
+    """An empty value is the empty string (env.camera's and run.dir's default), spaces around the
+    key are dropped, and what YAML reads as something else is named as typed."""
+    cfg = load_config(None, ["env.camera=", "run.dir=", "ppo.num_envs = 4"])
+    assert (cfg.env.camera, cfg.run.dir, cfg.ppo.num_envs) == ("", "", 4)
+    for item, needle in [("ppo..num_envs=4", "must name section.key"), ("train.amp=on", "train.amp=on"),
+                         ("env.id=", "env.id is empty"), ("model.encoder_weights=", "model.encoder_weights must be")]:
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            load_config(None, [item])
+
+
 def test_parse_bytes():
     assert parse_bytes("8GiB") == 8 * 2**30
     assert parse_bytes("6000MB") == 6 * 10**9

@@ -67,7 +67,7 @@ class EnvConfig:
     vector: str = "auto"
     """sync | async | auto: async worker processes (forkserver) for rendered envs when this process may use more than 2 CPUs, and always for a user's module:EnvId env (its crash is then one error line); sync otherwise, and for the synthetic tasks. sync runs a module:EnvId env in this process (faster on 2 CPUs; a segfault then ends the run with no message)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for the env's constructor, through gymnasium.make (e.g. env.kwargs.look=fast for dmc ids); a mapping."""
+    """Keyword arguments for the env's constructor, through gymnasium.make (e.g. env.kwargs.look=fast for dmc ids); a mapping. On the command line env.kwargs.KEY=value sets one, env.kwargs={...} replaces them all."""
 
 
 @dataclass
@@ -568,10 +568,16 @@ def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key=value (e.g. ppo.num_envs=4)")
-        key = item.split("=", 1)[0].strip()
-        if not key or "." not in key:
+        key, _, value = item.partition("=")
+        key = key.strip()  # "ppo.num_envs = 4", quoted with its spaces
+        if not key or "." not in key or "" in key.split("."):
             raise ConfigError(f"override '{item}' must name section.key (e.g. ppo.num_envs=4)")
+        # key= is the empty string (env.camera's and run.dir's default), not YAML's null
+        item = f"{key}={value}" if value.strip() else f"{key}=''"
         try:
+            if key == "env.kwargs":  # a mapping given whole replaces the config's, as any other value does
+                cfg = _replace_kwargs(cfg, item)
+                continue
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as exc:
             raise _explain(exc, "the command line") from None
@@ -586,6 +592,14 @@ def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source
     _refuse_interpolation(asdict(obj))  # not to_dict: that resolves again
     validate(obj)
     return obj
+
+
+def _replace_kwargs(cfg: Any, item: str) -> Any:
+    """``env.kwargs={...}``: the constructor's arguments become exactly these (a merge would keep
+    the config's others, so ``env.kwargs={}`` would change nothing)."""
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))  # the value checked as a merge would
+    OmegaConf.update(cfg, "env.kwargs", OmegaConf.from_dotlist([item]).env.kwargs, merge=False)
+    return cfg
 
 
 def _refuse_interpolation(data: Any, key: str = "") -> None:
@@ -688,6 +702,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.threads must be at most {MAX_THREADS} (0: torch's default), got {cfg.train.threads}")
     if not 0 <= cfg.train.seed < 2**31:  # numpy takes 32-bit seeds; env and rank seeds are added to it
         raise ConfigError(f"train.seed must be in 0 .. 2**31 - 1, got {cfg.train.seed}")
+    if not cfg.env.id.strip():
+        raise ConfigError("env.id is empty: give the task's id (e.g. visppo/Reach-v0, dmc:cartpole-swingup)")
     if not -20 <= cfg.model.init_log_std <= 5:  # exp() beyond: a std of inf or a variance of 0, so NaN log-probs
         raise ConfigError(f"model.init_log_std must be between -20 and 5 (std 2e-9 to 148), got {cfg.model.init_log_std}")
     if cfg.env.render_samples < -1:
@@ -739,6 +755,8 @@ def _validate_choices(cfg: Config) -> None:
 
     if cfg.train.amp in ("False", "false"):  # YAML 1.1 reads a bare `off` as the boolean false
         cfg.train.amp = "off"
+    if cfg.train.amp in ("True", "true"):  # and `on` or `yes` as true: not a precision
+        raise ConfigError("train.amp=on (or yes, true) names no precision: give bf16, fp16, auto or off")
     choice("train.amp", cfg.train.amp, ("off", "bf16", "fp16", "auto"))
     choice("env.vector", cfg.env.vector, ("sync", "async", "auto"))
     choice("memory.buffer_device", cfg.memory.buffer_device, ("cpu", "device"))

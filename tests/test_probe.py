@@ -539,6 +539,9 @@ def test_a_fixed_size_beside_an_auto_one_is_measured_at_its_own_size(monkeypatch
         sizes(16, "auto")
     with pytest.raises(ConfigError, match=r"memory.infer_chunk_size=128 does not fit"):
         sizes("auto", 128)
+    # a chunk over the rollout runs at the rollout's size: the message gives both, the key as set
+    with pytest.raises(ConfigError, match=r"memory.infer_chunk_size=4096 \(its pass is 128 samples here\) does not fit"):
+        sizes("auto", 4096)
 
 
 def test_a_resume_keeps_its_sizes_only_on_the_device_kind_and_precision_they_held_on(monkeypatch):

@@ -571,7 +571,9 @@ def _probe(cfg: Config, budget_bytes: int, target: torch.device, mode: str, marg
         candidates.append(cand)
         if not cand.fits:
             key = {"micro_batch": "memory.micro_batch_size", "infer_chunk": "memory.infer_chunk_size"}[kind]
-            raise ConfigError(f"{key}={size} does not fit memory.budget {format_bytes(budget_bytes)} on {target}: "
+            given = getattr(cfg.memory, key.split(".")[1])  # a size over the batch it cuts runs at that batch's
+            shown = f"{given} (its pass is {size} samples here)" if str(given) != str(size) else str(size)
+            raise ConfigError(f"{key}={shown} does not fit memory.budget {format_bytes(budget_bytes)} on {target}: "
                               f"its pass peaks at {format_bytes(cand.peak_bytes)}, over the {format_bytes(limit)} "
                               f"left after the {margin:.0%} margin: lower it, set it to auto, or raise memory.budget")
     minibatch = cfg.ppo.minibatch_size

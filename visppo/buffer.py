@@ -77,6 +77,7 @@ class ReturnScale:
     variance of all ``G`` seen so far is tracked, and rewards are divided by its std
     (not centred: a shift would change which episodes' ends are good). Updated once per
     rollout from the whole rollout, so every sample of an iteration has the same scale.
+    Unlike SB3, the scaled rewards are not clipped (SB3 clips them to +-10 by default).
     """
 
     def __init__(self, num_envs: int, gamma: float, epsilon: float = 1e-8):

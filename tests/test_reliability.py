@@ -36,6 +36,19 @@ def test_a_second_train_on_a_locked_run_dir_is_refused_naming_the_holder(tmp_pat
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock"], "the refused run wrote nothing"
 
 
+def test_a_second_train_on_a_live_run_before_its_first_checkpoint_is_told_it_is_in_use(tmp_path, capsys):
+    """Its config.yaml is written: the run is not a stopped one to delete but a live one."""
+    run_dir = tmp_path / "run"
+    with run_dir_lock(run_dir):
+        (run_dir / "config.yaml").write_text("env:\n  id: visppo/DotReach-v0\n")
+        code, err = run_main(capsys, "train", *tiny_overrides(tmp_path))
+    assert code == 2
+    line = one_error_line(err, "in use", f"pid {os.getpid()}")
+    assert "delete" not in line
+    code, err = run_main(capsys, "train", *tiny_overrides(tmp_path))  # the lock gone: a stopped run
+    assert code == 2 and "delete it" in err
+
+
 def test_resume_of_a_locked_run_is_refused_and_touches_nothing(finished_run, capsys):
     temp = finished_run / "checkpoints" / ".latest.pt.other.tmp"
     with _held_elsewhere(finished_run) as pid:

@@ -483,8 +483,7 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
             if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 _no_locks_here(run_dir, exc)
             else:
-                raise UserError(f"run.dir {run_dir} is in use by another visppo process (pid {_holder(fd)}): "
-                                "wait for it to finish or stop it, or choose another run.dir") from None
+                raise UserError(in_use_message(run_dir, _holder(fd))) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         for stale in [*run_dir.glob(".*.tmp"), *(run_dir / "checkpoints").glob(".*.tmp"),
@@ -493,6 +492,27 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def in_use_message(run_dir: Path, pid: str) -> str:
+    return (f"run.dir {run_dir} is in use by another visppo process (pid {pid}): wait for it to finish or stop "
+            "it, or choose another run.dir")
+
+
+def in_use(run_dir: Path) -> str | None:
+    """The pid of the live visppo process that holds ``run_dir``'s lock, or None (no lock file, or
+    nobody holds it). Writes nothing: a check before a new run's directory exists."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None  # closing the descriptor lets it go
+    except OSError as exc:
+        return _holder(fd) if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK) else None
+    finally:
+        os.close(fd)
 
 
 def _open_lock_file(run_dir: Path) -> int:

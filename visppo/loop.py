@@ -44,7 +44,7 @@ from visppo.deploy import SPEC_FILE, write_spec
 from visppo.encoders import FreezeSchedule
 from visppo.env_check import check_env
 from visppo.envs import check_env_id, close_vector_env, make_env, make_vector_env, preload_before_gl
-from visppo.errors import ConfigError, EnvError, RunError, Stopped
+from visppo.errors import ConfigError, EnvError, RunError, Stopped, UserError
 from visppo.evaluate import run_episodes
 from visppo.health import activation_health, probe_index
 from visppo.metrics import (
@@ -421,6 +421,9 @@ def check_run_dir(run_dir: Path) -> None:
                           "(at most 255): choose a shorter run.dir")
     found = [name for name in RUN_FILES if (run_dir / name).exists()]
     if found:
+        pid = ckpt_io.in_use(run_dir)
+        if pid is not None:  # a live run that has not saved yet: not one to delete
+            raise UserError(ckpt_io.in_use_message(run_dir, pid))
         if "config.yaml" in found and has_checkpoint(run_dir):
             resume = f"resume it with {ckpt_io.resume_command(run_dir)}"
         elif "config.yaml" in found:

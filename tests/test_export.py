@@ -114,7 +114,7 @@ def test_the_folder_holds_weights_config_and_a_model_card_and_loads(run_dir, rec
     from visppo.seeding import EVAL, episode_seed
 
     seeds = ", ".join(str(episode_seed(7, i, EVAL)) for i in range(3))
-    for needle in ["task: `visppo/DotReach-v0`", "budget: 64 env steps", f"{evaluation['mean_return']:.2f}",
+    for needle in ["task: `visppo/DotReach-v0`", "budget: 64 agent steps", f"{evaluation['mean_return']:.2f}",
                    "over 3 episodes (deterministic actions)", f"seed 7: episode reset seeds {seeds}",
                    "`visppo train config.yaml`"]:
         assert needle in card, needle

@@ -229,7 +229,7 @@ def model_card(policy: Policy, found: tuple[str, dict[str, Any]] | None) -> str:
         f"{action}; encoder `{cfg.model.encoder}`.", "",
         "## Training", "",
         f"- task: `{cfg.env.id}`",
-        f"- budget: {cfg.ppo.total_steps} env steps (`ppo.total_steps`)"
+        f"- budget: {cfg.ppo.total_steps} agent steps (`ppo.total_steps`)"
         + (f"; this checkpoint at step {step}" if step is not None else ""),
         f"- seed: {cfg.train.seed}",
         "- command: `visppo train config.yaml`, with this folder's `config.yaml` (the run's resolved "

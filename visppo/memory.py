@@ -1,6 +1,6 @@
 """Memory meters: how many bytes a step really needs, on CUDA and on the CPU.
 
-A leaf module (torch and the standard library only), so ``ppo``, ``loop`` and
+A leaf module (torch and the standard library only), so ``builders``, ``ppo`` and
 ``probe`` can all use it. CUDA has allocator statistics; the CPU has none, so
 :class:`LiveBytes` counts the bytes of the tensors that ops create while it is
 active. That lets the memory-bounded update be measured (and tested) on a

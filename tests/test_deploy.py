@@ -181,3 +181,21 @@ def test_a_hand_edited_policy_json_with_an_impossible_size_names_the_field(expor
         load_policy(folder)
     message = str(refused.value)
     assert str(folder / "policy.json") in message and "\n" not in message
+
+
+def test_a_float_frame_is_rounded_to_the_nearest_uint8_value():
+    """Policy.act's float frames in [0, 1] become round(255 x), as documented: a camera's 0.501 is
+    128 (127.76), not 127; frame / 255 packs to the very frame it was made from."""
+    import visppo.deploy as deploy
+
+    spec = deploy.PolicySpec(image_size=16, channels=3, frame_stack=1, low=[-1.0], high=[1.0])
+    policy = deploy.Policy.__new__(deploy.Policy)  # no network needed: only the frame conversion
+    policy.spec = spec
+    values = np.array([0.0, 0.3 / 255, 0.7 / 255, 0.499, 0.501, 254.6 / 255, 1.0])
+    frame = np.resize(values, (16, 16, 3))
+    expected = np.resize(np.array([0, 0, 1, 127, 128, 255, 255], np.uint8), (16, 16, 3))
+    for dtype in (np.float32, np.float64):
+        converted = policy._observation(frame.astype(dtype))
+        assert converted.dtype == np.uint8 and np.array_equal(converted, expected)
+    exact = np.arange(256, dtype=np.uint8).repeat(3).reshape(16, 16, 3)
+    assert np.array_equal(policy._observation(exact.astype(np.float32) / 255), exact)

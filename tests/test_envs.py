@@ -520,3 +520,23 @@ def test_async_workers_never_fork(monkeypatch):
     assert kinds == {"ForkServerProcess"}
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["fork", "spawn"])
     assert envs_module.worker_start_method.__wrapped__() == "spawn"
+
+
+def test_each_episode_of_a_vector_env_starts_with_a_stack_of_its_own_first_frame():
+    """SAME_STEP autoreset: the observation that starts episode 2 is its first frame k times, no
+    frame of episode 1 left in the stack (checked at the env level, not only through deploy)."""
+    from visppo.envs import make_vector_env
+
+    cfg = load_config(None, tiny_overrides(None, **{"ppo.num_envs": 1, "env.frame_stack": 3,
+                                                    "env.max_episode_steps": 4, "env.vector": "sync"}))
+    envs = make_vector_env(cfg)
+    try:
+        envs.reset(seed=0)
+        for _ in range(4):
+            obs, _, terminated, truncated, info = envs.step(np.ones((1, 2), np.float32))
+        assert truncated[0] or terminated[0]
+        first = obs["pixels"][0]
+        assert np.array_equal(first[0:3], first[3:6]) and np.array_equal(first[3:6], first[6:9])
+        assert not np.array_equal(info["final_obs"][0]["pixels"][6:9], first[6:9])  # the new episode's frame
+    finally:
+        envs.close()

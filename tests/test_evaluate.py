@@ -6,11 +6,12 @@ import json
 import math
 import os
 
+import gymnasium as gym
 import imageio.v3 as iio
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import Recorder, tiny_overrides
 from PIL import Image
 
 from visppo.checkpoint import CheckpointError
@@ -420,3 +421,94 @@ def test_evaluation_leaves_the_gpus_random_state_as_it_found_it(run_dir):
     before = torch.cuda.get_rng_state()
     evaluate(run_dir, episodes=1, seed=5)
     assert torch.equal(torch.cuda.get_rng_state(), before)
+
+
+# --------------------------------------------------------------------------- what an evaluation counts
+
+
+class FixedAction(torch.nn.Module):
+    """What run_episodes needs of a policy: ``act`` returns ``action`` and records its ``deterministic``."""
+
+    def __init__(self, action):
+        super().__init__()
+        self.action, self.asked = torch.tensor([action], dtype=torch.float32), []
+
+    def act(self, batch, deterministic=False):
+        self.asked.append(deterministic)
+        return self.action.clone(), None, None
+
+
+def _recording(monkeypatch):
+    """Patch evaluation's make_env: a Recorder between SeededEpisodes and PixelDict (what the env is given)."""
+    import visppo.evaluate as evaluate_module
+
+    recorders, real = [], evaluate_module.make_env
+
+    def make_env(cfg, *args):
+        env = real(cfg, *args)
+        env.env = Recorder(env.env)
+        recorders.append(env.env)
+        return env
+
+    monkeypatch.setattr(evaluate_module, "make_env", make_env)
+    return recorders
+
+
+def test_evaluation_asks_for_the_mode_and_steps_the_env_within_the_action_bounds(tmp_path, monkeypatch):
+    """A deterministic evaluation acts with the distribution's mode, and an action outside the Box (a
+    Gaussian's mean or sample is unbounded) reaches the env clipped, as in training and deployment."""
+    from visppo.evaluate import run_episodes
+
+    recorders = _recording(monkeypatch)
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"env.max_episode_steps": 5}))
+    policy = FixedAction([5.0, -5.0])
+    result = run_episodes(policy, cfg, episodes=1, deterministic=True)
+    actions = np.stack(recorders[0].episodes[0]["actions"])
+    assert result["lengths"] == [5] and actions.shape == (5, 2)
+    assert np.all(actions == np.array([1.0, -1.0], np.float32))  # DotReach's Box is [-1, 1]^2
+    assert policy.asked == [True] * 5
+
+
+class KnownEpisodes(gym.Env):
+    """Episode n (0, 1, 2) lasts n + 2 steps with rewards 1, 10, 100, ... and ends terminated (even n)
+    or truncated (odd n); its final step reports is_success True, nothing, False; the steps before
+    report the opposite of the final verdict (True where the final step says nothing)."""
+
+    metadata = {"render_modes": []}
+    observation_space = gym.spaces.Box(0, 255, (16, 16, 3), np.uint8)
+    action_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+    FINAL = (True, None, False)
+
+    def __init__(self):
+        self.episode, self.t = -1, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.episode, self.t = self.episode + 1, 0
+        return np.zeros((16, 16, 3), np.uint8), {}
+
+    def step(self, action):
+        self.t += 1
+        final = self.FINAL[self.episode % 3]
+        end = self.t == self.episode + 2
+        info = ({} if final is None else {"is_success": final}) if end else {"is_success": final is not True}
+        obs = np.full((16, 16, 3), self.t, np.uint8)
+        return obs, float(10 ** (self.t - 1)), end and self.episode % 2 == 0, end and self.episode % 2 == 1, info
+
+
+gym.register("visppo_tests/KnownEpisodes-v0", entry_point=KnownEpisodes)
+
+
+def test_evaluation_counts_each_episodes_return_length_and_final_success(tmp_path):
+    """Every step's reward, the final one included, in the return; every step in the length; success
+    from the final step's info only, over the episodes that report it (None where one does not)."""
+    from visppo.evaluate import run_episodes
+
+    cfg = load_config(None, tiny_overrides(tmp_path, **{"env.id": "visppo_tests/KnownEpisodes-v0",
+                                                        "env.pixels": False, "env.image_size": 16}))
+    result = run_episodes(FixedAction([0.0]), cfg, episodes=3, deterministic=True)
+    assert result["returns"] == [11.0, 111.0, 1111.0]
+    assert result["lengths"] == [2, 3, 4] and result["mean_length"] == 3.0
+    assert result["mean_return"] == pytest.approx(411.0)
+    assert result["successes"] == [True, None, False]
+    assert result["success_rate"] == 0.5  # of the 2 episodes that report it

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from conftest import tiny_overrides
 
 from visppo import seeding
 from visppo.config import load_config
@@ -76,3 +77,27 @@ def test_training_resets_its_envs_with_the_derived_seeds(tmp_path):
         streams = set(run.envs.get_attr("stream"))
     assert bases == [seeding.env_seed(4, 0, i) for i in range(cfg.ppo.num_envs)]
     assert streams == {seeding.TRAIN}
+
+
+def test_a_ranks_envs_are_seeded_from_its_rank(tmp_path, monkeypatch):
+    """Rank 1 of a run seeds env i with env_seed(run seed, 1, i): not rank 0's episodes again. The
+    rank is set by patching Context.from_env (a world of one: no process group), and the run stops
+    at its first reset, whose seeds are recorded."""
+    from visppo import distributed, loop
+
+    class Reset(Exception):
+        pass
+
+    seen = []
+
+    def start(envs, seed):
+        seen.extend(seed)
+        raise Reset
+
+    monkeypatch.setattr(distributed.Context, "from_env", classmethod(lambda cls, env=None: cls(rank=1)))
+    monkeypatch.setattr(loop.RolloutState, "start", staticmethod(start))
+    cfg = load_config(None, tiny_overrides(tmp_path / "run", **{"train.seed": 4}))
+    with pytest.raises(Reset), loop.start_run(cfg, None):
+        pass
+    assert seen == [seeding.env_seed(4, 1, i) for i in range(cfg.ppo.num_envs)]
+    assert not set(seen) & {seeding.env_seed(4, 0, i) for i in range(cfg.ppo.num_envs)}

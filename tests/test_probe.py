@@ -175,6 +175,36 @@ def test_static_lines_equal_the_bytes_of_a_real_model_its_gradients_and_adam_sta
     assert prober.static["optimizer_state"] == _adam_state_bytes(opt)
 
 
+def test_a_trunk_frozen_for_good_is_probed_as_training_freezes_it():
+    """model.encoder_lr_scale=0 freezes the trunk for the whole run (visppo.loop's FreezeSchedule): no
+    gradient, no Adam state and no backward through it. The probe's static lines equal what such an
+    update leaves, its fake pass matches a real one, and the pass is lighter than a trained trunk's."""
+    import math
+
+    from visppo.builders import build_optimizer, build_policy
+    from visppo.encoders import FreezeSchedule
+
+    model = {"model.encoder": "resnet18", "model.resize": 32}
+    cfg = load_config(None, tiny_overrides(**model, **{"model.encoder_lr_scale": 0}))
+    prober = Prober(cfg, torch.device("cpu"), "fake")
+    policy = build_policy(cfg, prober.obs_space, prober.action_space, torch.device("cpu"), load_weights=False)
+    opt = build_optimizer(cfg, policy)
+    buf = RolloutBuffer(8, 2, prober.obs_space, prober.action_space)
+    buf.advantages.normal_(generator=torch.Generator().manual_seed(0))
+    ppo_cfg = PPOConfig(num_epochs=1, minibatch_size=16)
+    update_with(policy, opt, buf, ppo_cfg, 8, 16, torch.Generator().manual_seed(0),
+                before_step=FreezeSchedule(policy.encoders(), math.inf, opt))
+    assert all(p.grad is None for p in policy.trunk_parameters())
+    assert prober.static["gradients"] == sum(p.grad.numel() * p.grad.element_size()
+                                             for p in policy.parameters() if p.grad is not None)
+    assert prober.static["optimizer_state"] == _adam_state_bytes(opt)
+    real = Prober(cfg, torch.device("cpu"), "real")
+    f, r = prober.activations("micro_batch", 16), real.activations("micro_batch", 16)
+    assert abs(f - r) <= 0.02 * r, (f, r)
+    trained = Prober(load_config(None, tiny_overrides(**model, **{"model.encoder_lr_scale": 0.1})), torch.device("cpu"), "fake")
+    assert f < trained.activations("micro_batch", 16) and prober.static["gradients"] < trained.static["gradients"]
+
+
 def test_gradients_are_counted_once_in_a_single_pass_and_in_an_accumulating_one():
     """The measured part holds no gradient bytes: a pass that allocates them (the whole minibatch at
     once) has them taken out, and a later micro-batch starts with them allocated."""

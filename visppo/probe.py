@@ -360,7 +360,12 @@ class Prober:
                                                 load_weights=False)  # values do not matter
         if self._fake is not None:
             _to_fake(self.policy, self._fake)
-        self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        frozen: set[int] = set()
+        if cfg.model.encoder_lr_scale == 0:  # frozen for good, as the loop freezes it: no backward through
+            for enc in self.policy.encoders():  # the trunk, no gradient, no Adam state
+                enc.pixels.frozen = True
+                frozen |= {id(p) for p in enc.trunk_parameters()}
+        self.trainable = [p for p in self.policy.parameters() if p.requires_grad and id(p) not in frozen]
         self.cuda = device.type == "cuda"
         self.kernel_workspace = KernelWorkspace()
         self.static, self.sources = self._static_lines(world_size)

@@ -4,6 +4,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_overrides
 
 from visppo.checkpoint import (
     CheckpointError,
@@ -169,3 +170,86 @@ def test_a_bad_checkpoint_points_at_the_newest_written_one_not_the_highest_numbe
     for age, name in enumerate(["iter_000008.pt", "iter_000005.pt", "iter_000006.pt", "iter_000007.pt"]):
         os.utime(folder / name, ns=(10**18 + age * 10**9,) * 2)  # the order they were written in
     assert f"--resume {folder / 'iter_000007.pt'} " in _other_checkpoints(folder / "latest.pt")
+
+
+class _Envs:
+    """The two calls a checkpoint makes of a vector env: its envs' episode counters."""
+
+    def __init__(self, episodes):
+        self.episode = list(episodes)
+
+    def get_attr(self, name):
+        return list(getattr(self, name))
+
+    def set_attr(self, name, values):
+        setattr(self, name, list(values))
+
+
+def _trained_state(seed: int):
+    """A model, an Adam optimizer with moments, a used generator and a GradScaler off its default."""
+    torch.manual_seed(seed)
+    policy = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    policy(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    generator = torch.Generator().manual_seed(seed)
+    torch.randperm(10, generator=generator)
+    return policy, optimizer, generator
+
+
+# --------------------------------------------------------------------------- checkpoint.py
+
+
+def test_a_checkpoint_restores_every_state_it_saves_in_one_round_trip(tmp_path):
+    """Kills (each alone): restore() skipping the optimizer, the minibatch generator, the env
+    episode counters, the reward scale or the GradScaler; save_checkpoint() writing an empty
+    scaler; restore() returning the saved iteration instead of the next one. The exact-resume
+    tests in test_resume.py take a minute each and never exercise the fp16 scaler (CPU runs)."""
+    from visppo.buffer import ReturnScale
+    from visppo.checkpoint import rank_state, restore
+
+    cfg = load_config(None, tiny_overrides(tmp_path))
+    policy, optimizer, generator = _trained_state(1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**7, growth_interval=3)
+    reward_scale = ReturnScale(2, 0.99)
+    reward_scale.add(reward_scale.discounted_returns(torch.tensor([[1.0, 2.0], [3.0, -1.0]]),
+                                                    torch.tensor([[False, True], [False, False]])))
+    saved_scale = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in reward_scale.state_dict().items()}
+    envs = _Envs([5, 9])
+    path = save_checkpoint(tmp_path / "run", cfg, policy, optimizer, scaler, 7, 448, {},
+                           [rank_state(generator, envs, reward_scale)], [])
+    expected_draw = torch.randperm(10, generator=torch.Generator().set_state(generator.get_state()))
+
+    new_policy, new_optimizer, new_generator = _trained_state(2)
+    new_scaler = torch.amp.GradScaler("cpu")  # 65536 by default
+    new_reward_scale = ReturnScale(2, 0.99)
+    new_envs = _Envs([0, 0])
+    first, step = restore(load(path), new_policy, new_optimizer, new_scaler, new_generator, new_envs,
+                          new_reward_scale)
+
+    assert (first, step) == (8, 448)
+    assert new_envs.episode == [5, 9]
+    assert new_scaler.get_scale() == 2.0**7 and new_scaler.get_growth_interval() == 3
+    assert new_reward_scale.count > 1  # restored: the saved statistics had seen returns (a fresh one has 1e-4)
+    assert torch.equal(torch.randperm(10, generator=new_generator), expected_draw)
+    for key, value in saved_scale.items():
+        got = new_reward_scale.state_dict()[key]
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(value)), key
+    old_state, new_state = optimizer.state_dict()["state"], new_optimizer.state_dict()["state"]
+    for index in old_state:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(new_state[index][key], old_state[index][key]), (index, key)
+
+
+def test_each_rank_of_a_multi_process_run_resumes_its_own_streams():
+    """Kills: resume_for_rank() handing every rank rank 0's RNGs, minibatch order and env episodes
+    (only the torchrun subprocess test in test_distributed.py would notice, and it is slow)."""
+    from visppo import distributed
+    from visppo.checkpoint import resume_for_rank
+
+    ranks = [{"rng": f"rng{r}", "minibatch_generator": f"gen{r}", "env_episodes": [r, r]} for r in range(2)]
+    ckpt = {"model": {}, "iteration": 3, **ranks[0], "world_size": 2, "ranks": ranks}
+    mine = resume_for_rank(ckpt, distributed.Context(rank=1, world=2, local_rank=1, local_world=2))
+    assert (mine["rng"], mine["minibatch_generator"], mine["env_episodes"]) == ("rng1", "gen1", [1, 1])
+    assert mine["iteration"] == 3
+    assert resume_for_rank(ckpt, distributed.Context(rank=0, world=2, local_rank=0, local_world=2))["rng"] == "rng0"

@@ -100,3 +100,43 @@ def test_the_mean_out_of_bounds_is_measured_on_the_gpu():
     obs, actions = _batch()
     h = activation_health(pol, [({k: v.cuda() for k, v in obs.items()}, actions.cuda())], action_space=ACTIONS)
     assert 0.0 <= h["health/mean_out_of_bounds"] <= 1.0
+
+
+def test_the_critic_encoders_tanh_units_count_in_the_encoder_part():
+    """Kills: _part() leaving critic_encoder.* out of "encoder" (its units are then dropped: a
+    saturated critic encoder with share_encoder=false reads as healthy)."""
+    from visppo.health import activation_health
+
+    pol = _policy(share_encoder=False, shared_layers=1)
+    with torch.no_grad():
+        pol.critic_encoder.shared[0].weight.zero_()
+        pol.critic_encoder.shared[0].bias.fill_(10.0)  # every unit of the critic's copy saturated
+        pol.encoder.shared[0].weight.zero_()
+        pol.encoder.shared[0].bias.fill_(0.5)  # none of the actor's (tanh(0.5) = 0.46)
+    h = activation_health(pol, [_batch()])
+    assert h["health/saturated_encoder"] == 0.5  # equal unit counts, one copy saturated
+
+
+@pytest.mark.parametrize("level, saturated", [(0.95, 0.0), (0.995, 1.0)])
+def test_saturation_is_counted_above_0_99_exactly(level, saturated):
+    """Kills: a looser threshold (|tanh| > 0.9 counts units that still pass 10% of their gradient)."""
+    from visppo.health import activation_health
+
+    pol = _policy()
+    with torch.no_grad():
+        pol.actor[0].weight.zero_()
+        pol.actor[0].bias.fill_(math.atanh(level))
+    assert activation_health(pol, [_batch()])["health/saturated_actor"] == saturated
+
+
+def test_a_feature_constant_at_a_nonzero_value_is_dead_too():
+    """Kills: dead_features counting only units stuck at 0 (a ReLU unit whose input ignores the frame
+    is as useless at 5 as at 0: "the same on every sample", as the module documents)."""
+    from visppo.health import activation_health
+
+    pol = _policy()
+    with torch.no_grad():
+        pol.encoder.pixels.proj[0].weight[:32].zero_()
+        pol.encoder.pixels.proj[0].bias[:32] = 5.0  # 32 units fire, at 5, on every frame
+        pol.encoder.pixels.proj[0].bias[32:] = 10.0  # the rest vary with the frame
+    assert activation_health(pol, [_batch()])["health/dead_features"] == 32 / 256

@@ -141,3 +141,35 @@ def test_out_under_a_file_is_refused_before_anything_is_drawn(tmp_path, monkeypa
     code, err = run_main(capsys, "plot", run, "--out", out)
     assert code == 2 and one_error_line(err, "plot output", "afile")
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def _lines_by_panel(tmp_path, monkeypatch, csv_text: str, smooth: int):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text(csv_text)
+    figures = []
+    monkeypatch.setattr(plot_module, "save_figure", lambda fig, out, dpi="figure": figures.append(fig))
+    plot_module.plot_runs([run], tmp_path / "out.png", smooth=smooth)
+    (fig,) = figures
+    panels = {}
+    for ax in fig.axes[:2]:
+        curve = [line for line in ax.get_lines() if line.get_label() == "run"]
+        raw = [line for line in ax.get_lines() if not line.get_label().startswith("run")]
+        panels[ax.get_ylabel()] = (curve, raw)
+    return panels
+
+
+def test_each_panel_draws_its_own_column_sorted_by_step_and_smoothed(tmp_path, monkeypatch):
+    """Kills: a panel reading another column (success drawn from episode_return), rows drawn in file
+    order instead of by global_step, and the raw values drawn as the curve instead of their moving average.
+    The existing plot tests check only that a PNG with something in it was written."""
+    panels = _lines_by_panel(tmp_path, monkeypatch, "global_step,episode_return,episode_success\n"
+                             "192,30,0.75\n64,10,0.25\n128,20,0.5\n256,40,1.0\n", smooth=2)
+    (ret_curve,), (ret_raw,) = panels["episode return"]
+    (suc_curve,), (suc_raw,) = panels["success rate"]
+    for line in (ret_curve, ret_raw, suc_curve, suc_raw):
+        assert line.get_xdata().tolist() == [64, 128, 192, 256]
+    assert ret_raw.get_ydata().tolist() == [10, 20, 30, 40]
+    assert ret_curve.get_ydata().tolist() == [10, 15, 25, 35]  # trailing mean of 2
+    assert suc_raw.get_ydata().tolist() == [0.25, 0.5, 0.75, 1.0]
+    assert suc_curve.get_ydata().tolist() == [0.25, 0.375, 0.625, 0.875]

@@ -7,7 +7,7 @@ import torch
 
 from visppo.config import TrainConfig
 from visppo.errors import ConfigError
-from visppo.precision import acting_precision, autocast_dtype, for_run, resolve_precision
+from visppo.precision import Precision, acting_precision, autocast_dtype, for_run, resolve_precision
 
 CPU = torch.device("cpu")
 
@@ -66,3 +66,14 @@ def test_acting_precision_never_asks_for_fp16_off_cuda():
 def test_channels_last_is_decided_with_the_precision():
     assert for_run(TrainConfig(channels_last=False), CPU, CPU).channels_last is False
     assert for_run(TrainConfig(), CPU, CPU).channels_last is True
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.bfloat16), ("cuda", torch.bfloat16),
+                                           ("cuda", torch.float16)])
+def test_autocast_runs_in_the_dtype_the_precision_names(device, dtype):
+    """Kills: Precision.autocast() omitting dtype= (CUDA's autocast default is fp16: a bf16 run on an
+    Ampere+ GPU would silently train in fp16 without a GradScaler)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.autocast("cuda") on a machine without CUDA
+        ctx = Precision(torch.device(device), dtype).autocast()
+    assert ctx.fast_dtype == dtype

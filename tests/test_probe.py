@@ -585,3 +585,49 @@ def test_a_resume_keeps_its_sizes_only_on_the_device_kind_and_precision_they_hel
     assert loop.memory_sizes(cfg, cpu, saved, "bf16", verbose=False) == loop.MemorySizes(8, 16)  # probed again
     older = {"memory_sizes": {"micro": 4, "chunk": 2}}  # a checkpoint that did not say where
     assert loop.memory_sizes(cfg, cpu, older, "bf16", verbose=False) == loop.MemorySizes(4, 2)
+
+
+def test_an_accumulating_micro_batch_is_measured_with_the_gradients_already_allocated(monkeypatch):
+    """Kills: Prober._prepare() not allocating .grad before an accumulating micro-batch (the pass then
+    allocates the gradients itself, and they are counted twice: in the gradients line and in
+    activations, which is never corrected for an accumulating size). The existing test bounds the
+    result loosely (later <= whole + grads) and the double count lands exactly on that bound."""
+    import visppo.probe as probe_module
+    seen = []
+    real = probe_module._backward_pass
+
+    def spy(policy, buf, index, *args):
+        seen.append((len(index), all(p.grad is not None for p in policy.parameters() if p.requires_grad)))
+        return real(policy, buf, index, *args)
+
+    monkeypatch.setattr(probe_module, "_backward_pass", spy)
+    prober = Prober(load_config(None, tiny_overrides(**{"ppo.minibatch_size": 32})), torch.device("cpu"), "fake")
+    prober._pass("micro_batch", 16)  # accumulates into a minibatch of 32
+    prober._pass("micro_batch", 32)  # the whole minibatch: its gradients are born in the pass
+    assert seen == [(16, True), (32, False)]
+
+
+def test_the_largest_rollout_on_the_device_fits_under_the_margin_and_one_more_step_does_not():
+    """Kills: rollout_steps computed against the budget instead of the limit after the margin (the
+    reported ppo.num_steps then peaks above budget * (1 - margin): the probe picks a rollout that does
+    not fit). The existing test checks only that it is larger than the config's."""
+    cfg = load_config(None, tiny_overrides(**{"memory.buffer_device": "device"}))
+    result = probe(cfg, "64MiB", "cpu", "fake")
+    top = {c.size: c for c in result.candidates if c.kind == "rollout"}[result.rollout_steps * cfg.ppo.num_envs]
+    assert top.fits and top.peak_bytes <= result.limit_bytes
+    per_step = top.breakdown["buffer"] // result.rollout_steps
+    assert top.peak_bytes + per_step > result.limit_bytes  # the largest: one more step is over
+
+
+@pytest.mark.parametrize("size", [8, 64])
+def test_a_cuda_chunk_in_fake_mode_counts_the_copy_of_its_inputs_to_the_gpu(size):
+    """Kills: dropping the input copy from a CUDA target's infer_chunk line in fake mode (the pass runs
+    on the CPU there, where the gathered samples are already in place; on the GPU each chunk's frames
+    and actions are copied over first): the chunk would be underestimated by its inputs' bytes."""
+    cfg = load_config(None, tiny_overrides(**{"train.amp": "bf16"}))
+    gpu, cpu = Prober(cfg, torch.device("cuda"), "fake"), Prober(cfg, torch.device("cpu"), "fake")
+    one = RolloutBuffer(1, 1, gpu.obs_space, gpu.action_space)
+    per_sample = sum(v[0, 0].numel() * v.element_size() for v in one.obs.values()) \
+        + one.actions[0, 0].numel() * one.actions.element_size()
+    assert per_sample >= 48 * 48  # at least one uint8 frame (guards the test itself)
+    assert gpu.activations("infer_chunk", size) == cpu.activations("infer_chunk", size) + per_sample * size

@@ -669,7 +669,7 @@ def plot(outs: list[Path], path: Path, column: str = "episode_return") -> None:
         for _, variant, runs in (g for g in found if g[0] == config):
             _band(ax, [read_rows(d) for d in runs], column, variant)
         ax.set_title(config)
-        ax.set_xlabel("env steps")
+        ax.set_xlabel("agent steps (global_step)")
         ax.set_ylabel(column)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")

@@ -1,4 +1,5 @@
-"""Learning curves of one or more runs: episode return and success rate against env steps.
+"""Learning curves of one or more runs: episode return and success rate against agent steps
+(``global_step``: frames / ``env.action_repeat``).
 
 Reads each run's ``metrics.csv`` (the columns ``global_step``,
 ``episode_return`` and ``episode_success``; ``nan`` where no episode ended yet,
@@ -111,7 +112,7 @@ def check_format(out: Path) -> None:
 
 
 def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
-    """Draw return and success rate against env steps for ``run_dirs`` into ``out``; returns the path.
+    """Draw return and success rate against agent steps for ``run_dirs`` into ``out``; returns the path.
 
     The format follows ``out``'s suffix (``.png`` when it has none, which is
     then appended). Curves are moving averages over ``smooth`` logged points,
@@ -171,7 +172,7 @@ def _draw_panel(ax, column: str, title: str, data: list[dict], labels: list[str]
         ax.text(0.5, 0.5, f"no {title} logged", transform=ax.transAxes, ha="center", va="center", color="0.4")
     if column == "episode_success":
         ax.set_ylim(-0.03, 1.03)
-    ax.set_xlabel("environment steps")
+    ax.set_xlabel("agent steps (global_step)")
     ax.set_ylabel(title)
     ax.set_title(title + (f" (moving average of {smooth})" if smooth > 1 else ""))
     ax.xaxis.set_major_formatter(EngFormatter())

@@ -6,6 +6,7 @@ a policy is built the same way wherever it is used.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from types import SimpleNamespace
@@ -136,6 +137,13 @@ def build_policy(cfg: Config, obs_space: gym.spaces.Dict, action_space: gym.Spac
     if cfg.train.channels_last:
         policy = policy.to(memory_format=torch.channels_last)
     return policy
+
+
+def frozen_steps(cfg: Config) -> float:
+    """Optimizer steps the encoders' trunks stay frozen: ``model.freeze_encoder_updates``, or for
+    good with ``model.encoder_lr_scale=0``, whose trunk never moves (a zero lr alone would still
+    backprop through it, and count it in the gradient clip)."""
+    return math.inf if cfg.model.encoder_lr_scale == 0 else cfg.model.freeze_encoder_updates
 
 
 def build_optimizer(cfg: Config, policy: ActorCritic) -> torch.optim.Adam:

@@ -597,8 +597,9 @@ def build_config(data: dict, overrides: list[str] | tuple[str, ...] = (), source
 def _replace_kwargs(cfg: Any, item: str) -> Any:
     """``env.kwargs={...}``: the constructor's arguments become exactly these (a merge would keep
     the config's others, so ``env.kwargs={}`` would change nothing)."""
-    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))  # the value checked as a merge would
-    OmegaConf.update(cfg, "env.kwargs", OmegaConf.from_dotlist([item]).env.kwargs, merge=False)
+    given = OmegaConf.from_dotlist([item])
+    cfg = OmegaConf.merge(cfg, given)  # the value checked as a merge would
+    OmegaConf.update(cfg, "env.kwargs", given.env.kwargs, merge=False)
     return cfg
 
 

@@ -36,6 +36,7 @@ from visppo.builders import (
     build_optimizer,
     build_policy,
     check_memory,
+    frozen_steps,
     resolve_device,
     seed_everything,
 )
@@ -338,10 +339,8 @@ def build_run(cfg: Config, ctx: distributed.Context, run_dir: Path, device: torc
     if resume is not None:
         first_iteration, global_step = ckpt_io.restore(resume, policy, optimizer, precision.update.scaler,
                                                        generator, envs, reward_scale)
-    # before_step: trunks frozen for K steps; for good with encoder_lr_scale=0, whose trunk never
-    # moves (a zero lr alone would still backprop through it, and count it in the gradient clip)
-    frozen_steps = math.inf if cfg.model.encoder_lr_scale == 0 else cfg.model.freeze_encoder_updates
-    freeze = FreezeSchedule(policy.encoders(), frozen_steps, optimizer) if frozen_steps else None
+    steps = frozen_steps(cfg)  # before_step: the trunks frozen for that many optimizer steps
+    freeze = FreezeSchedule(policy.encoders(), steps, optimizer) if steps else None
     on_device = cfg.memory.buffer_device == "device"
     buffer = RolloutBuffer(cfg.ppo.num_steps, cfg.ppo.num_envs, envs.single_observation_space,
                            envs.single_action_space, pin_memory=device.type == "cuda" and not on_device,

@@ -45,6 +45,7 @@ The peak of one size is the sum of the breakdown's lines, each counted once
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -57,7 +58,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from visppo.atomic import atomic_write_text
 from visppo.buffer import RolloutBuffer
-from visppo.builders import build_policy, initialised_gpus
+from visppo.builders import build_policy, frozen_steps, initialised_gpus
 from visppo.config import Config, parse_bytes
 from visppo.envs import make_env
 from visppo.errors import ConfigError
@@ -361,7 +362,7 @@ class Prober:
         if self._fake is not None:
             _to_fake(self.policy, self._fake)
         frozen: set[int] = set()
-        if cfg.model.encoder_lr_scale == 0:  # frozen for good, as the loop freezes it: no backward through
+        if frozen_steps(cfg) == math.inf:  # frozen for good, as the loop freezes it: no backward through
             for enc in self.policy.encoders():  # the trunk, no gradient, no Adam state
                 enc.pixels.frozen = True
                 frozen |= {id(p) for p in enc.trunk_parameters()}
